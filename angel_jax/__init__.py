@@ -1,0 +1,1 @@
+"""angel-jax: SPMD training of large transformers on JAX."""

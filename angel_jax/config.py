@@ -1,0 +1,173 @@
+"""Config schema, defaults, command-line overrides and validation.
+
+Every config file in `configs/` starts from `default_config()` and changes what it needs, so the
+schema lives in one place and a typo on the command line is an error, not a silent new key.
+"""
+
+import ast
+import difflib
+import importlib.util
+import pathlib
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A bad setting or input, reported to the user as one line naming the setting and the fix."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.zero_stage = 1  # 0: replicated; 1: +optimizer state sharded; 2: +grads; 3: +params (FSDP).
+
+    # Mesh axis sizes; one may be -1 for "all remaining devices".
+    c.mesh = ml_collections.ConfigDict(
+        dict(data=-1, pipeline=1, expert=1, context=1, sequence=1, tensor=1)
+    )
+
+    c.model = ml_collections.ConfigDict()
+    c.model.num_layers = 2
+    c.model.d_model = 64
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.head_dim = 0  # 0: d_model // num_heads.
+    c.model.ffn_dim = 128
+    c.model.vocab_size = 512
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
+    c.model.remat = "none"  # none | full | dots | dots_no_batch (see layers.remat_policy).
+    c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
+    c.model.sequence_parallel = False  # Megatron-style: norm regions sharded over `tensor`.
+    c.model.scan_layers = True
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.batch_size = 8  # Global, in sequences.
+    c.train.seq_len = 128
+    c.train.microbatches = 1  # Gradient accumulation: batch_size is split into this many.
+    c.train.log_every_steps = 10
+    c.train.lr = 3e-4
+    c.train.warmup_steps = 10
+    c.train.min_lr_ratio = 0.1  # Cosine decays to lr * min_lr_ratio at the last step.
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0  # Global-norm clipping; 0 disables.
+    c.train.z_loss = 0.0  # Weight of mean(logsumexp(logits)^2).
+    c.train.peak_tflops = 0.0  # Per device, for MFU; 0: from the device kind.
+    c.train.tensorboard = True
+
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ml_collections.FieldReference(None, field_type=str)  # None: default corpus.
+    c.data.synthetic = False  # Random tokens, for benchmarks.
+    c.data.prefetch = 2  # Batches prepared ahead by a background thread.
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 50  # 0 disables checkpoints.
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+    return c
+
+
+def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """Loads `get_config()` from a config file and applies `--config.a.b=value` overrides."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"--config {path}: no such file; pass a file from configs/, e.g. configs/tiny.py"
+        )
+    spec = importlib.util.spec_from_file_location(f"angel_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"--config {path}: the file defines no get_config()")
+    config = module.get_config()
+    config.lock()
+    apply_overrides(config, overrides)
+    return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+    for arg in overrides:
+        if not arg.startswith("--config.") or "=" not in arg:
+            raise ConfigError(f"{arg}: expected --config.KEY=VALUE")
+        key, text = arg[len("--config.") :].split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for depth, name in enumerate(parents + [leaf]):
+            if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+                where = ".".join(parents[:depth]) or "config"
+                known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = (
+                    f"did you mean {close[0]}?" if close else f"keys of {where}: {', '.join(known)}"
+                )
+                raise ConfigError(f"--config.{key}: unknown config key '{name}' ({hint})")
+            if depth < len(parents):
+                node = node[name]
+        try:
+            node[leaf] = _parse_value(text, node.get_type(leaf))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"--config.{key}={text}: wrong type, expected {node.get_type(leaf).__name__} ({e})"
+            ) from None
+
+
+def _parse_value(text: str, field_type: type):
+    if field_type is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError("use true or false")
+    if field_type is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"cannot read {text!r} as a {field_type.__name__}") from None
+    if field_type is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value
+
+
+def head_dim(model: ml_collections.ConfigDict) -> int:
+    return model.head_dim or model.d_model // model.num_heads
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
+    m, t = config.model, config.train
+    for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
+        if m[name] <= 0:
+            raise ConfigError(f"config.model.{name}={m[name]}: must be positive")
+    if not m.head_dim and m.d_model % m.num_heads:
+        raise ConfigError(
+            f"config.model.d_model={m.d_model} is not divisible by num_heads={m.num_heads}; "
+            "change one of them or set config.model.head_dim"
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"config.model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}; "
+            "GQA needs each KV head shared by the same number of query heads"
+        )
+    if config.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
+    if m.remat not in ("none", "full", "dots", "dots_no_batch"):
+        raise ConfigError(f"config.model.remat={m.remat!r}: use none, full, dots or dots_no_batch")
+    if m.attention not in ("auto", "cudnn", "xla"):
+        raise ConfigError(f"config.model.attention={m.attention!r}: use auto, cudnn or xla")
+    if m.dtype not in ("bfloat16", "float32", "float16"):
+        raise ConfigError(f"config.model.dtype={m.dtype!r}: use bfloat16, float16 or float32")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"config.train.batch_size={t.batch_size} is not divisible by "
+            f"config.train.microbatches={t.microbatches}"
+        )
+    for name in ("steps", "batch_size", "seq_len", "log_every_steps", "microbatches"):
+        if t[name] <= 0:
+            raise ConfigError(f"config.train.{name}={t[name]}: must be positive")

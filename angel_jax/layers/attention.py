@@ -1,0 +1,62 @@
+"""Causal grouped-query attention with rotary positions.
+
+Megatron split: Q/K/V projections are column-parallel over heads, the output projection is
+row-parallel, so tensor parallel needs one reduction per attention block.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from angel_jax import sharding
+from angel_jax.layers.linear import Linear
+from angel_jax.sharding import constrain
+
+
+def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (as in Hugging Face Llama)."""
+    half = x_BTNH.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_TH = positions_T.astype(jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(angle_TH)[None, :, None, :], jnp.sin(angle_TH)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class Attention(nn.Module):
+    """Letters: B batch, T length, D model dim, N query heads, K kv heads, H head dim."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    implementation: str | None = None  # jax.nn.dot_product_attention's: None (XLA) or "cudnn".
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        q_BTNH = Linear((n, h), ("embed", "heads", "head_dim"), self.dtype, name="query")(x_BTD)
+        k_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="key")(x_BTD)
+        v_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="value")(x_BTD)
+        positions = jnp.arange(x_BTD.shape[1])
+        q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
+        k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
+        q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
+        if sharding.rule("kv_heads") != sharding.rule("heads"):
+            # KV heads are replicated where query heads are split (fewer KV heads than tensor
+            # ranks): repeat them to one per query head so both split the same way.
+            k_BTKH = jnp.repeat(k_BTKH, n // k, axis=2)
+            v_BTKH = jnp.repeat(v_BTKH, n // k, axis=2)
+            kv_axes = ("batch", "length", "heads", "head_dim")
+        else:
+            kv_axes = ("batch", "length", "kv_heads", "head_dim")
+        k_BTKH, v_BTKH = constrain(k_BTKH, kv_axes), constrain(v_BTKH, kv_axes)
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=self.implementation
+        )
+        o_BTNH = constrain(o_BTNH, ("batch", "length", "heads", "head_dim"))
+        return Linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), self.dtype, name="out")(
+            o_BTNH
+        )

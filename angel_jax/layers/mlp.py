@@ -1,0 +1,21 @@
+"""SwiGLU feed-forward: Megatron column-parallel gate/up, row-parallel down."""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from angel_jax.layers.linear import Linear
+from angel_jax.sharding import constrain
+
+
+class SwiGLU(nn.Module):
+    ffn_dim: int
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d_model = x.shape[-1]
+        gate = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="gate")(x)
+        up = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="up")(x)
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return Linear((d_model,), ("mlp", "embed"), self.dtype, name="down")(h)

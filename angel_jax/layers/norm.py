@@ -1,0 +1,23 @@
+"""RMSNorm, computed in float32 whatever the activation dtype."""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.bfloat16
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)

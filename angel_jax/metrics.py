@@ -1,0 +1,67 @@
+"""Training metrics: throughput and MFU, written to metrics.jsonl, TensorBoard and the terminal."""
+
+import json
+import pathlib
+import sys
+
+import jax
+
+# Dense bf16 peak TFLOP/s per device, by `device_kind` substring.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def peak_tflops(configured: float) -> float | None:
+    """Configured peak, else the device kind's; None where unknown (MFU is then not reported)."""
+    if configured > 0:
+        return configured
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, tensorboard: bool = True):
+        self.dir = pathlib.Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.main = jax.process_index() == 0
+        self._jsonl = open(self.dir / "metrics.jsonl", "a") if self.main else None
+        self._tb = None
+        if tensorboard and self.main:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.main:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+
+
+def progress_line(step: int, last_step: int, m: dict) -> str:
+    mfu = "n/a" if m.get("mfu") is None else f"{100 * m['mfu']:.1f}%"
+    eta = m["step_time_s"] * (last_step - step)
+    return (
+        f"step {step:>6}/{last_step}  loss {m['loss']:.4f}  {m['tokens_per_s']:,.0f} tok/s  "
+        f"MFU {mfu}  {m['step_time_s'] * 1e3:.0f} ms/step  ETA {_hms(eta)}"
+    )
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, file=sys.stderr, flush=True)

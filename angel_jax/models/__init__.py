@@ -1,0 +1,1 @@
+"""Models: pure Flax modules built from `angel_jax.layers`."""

@@ -1,0 +1,132 @@
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, layers under lax.scan."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import linen as nn
+
+from angel_jax.config import head_dim
+from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
+from angel_jax.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"
+    remat: str = "none"
+    attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
+    scan_layers: bool = True
+
+    @classmethod
+    def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
+        attention = model.attention
+        if attention == "auto":
+            attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
+        return cls(
+            num_layers=model.num_layers,
+            d_model=model.d_model,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=head_dim(model),
+            ffn_dim=model.ffn_dim,
+            vocab_size=model.vocab_size,
+            rope_theta=model.rope_theta,
+            norm_eps=model.norm_eps,
+            tie_embeddings=model.tie_embeddings,
+            dtype=model.dtype,
+            remat=model.remat,
+            attention=None if attention == "xla" else attention,
+            scan_layers=model.scan_layers,
+        )
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls: the layers and the LM head, not the lookup."""
+        attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.d_model * self.ffn_dim
+        return self.num_layers * (attn + mlp) + self.vocab_size * self.d_model
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params + causal attention (6 x L x T x N*H),
+        the convention of the peer baselines (`../shared/baselines/common.py`)."""
+        attention = 6 * self.num_layers * seq_len * self.num_heads * self.head_dim
+        return 6 * self.matmul_params() + attention
+
+
+class DecoderLayer(nn.Module):
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, h_BTD: jax.Array, _=None):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        # The residual stream lives in norm regions ("norm_length": split over tensor under
+        # sequence parallel); attention and MLP see the full sequence ("length").
+        x = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD)
+        x = constrain(x, ("batch", "length", "embed"))
+        attn = Attention(
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.attention,
+            dtype,
+            name="attn",
+        )(x)
+        h_BTD = constrain(h_BTD + attn, ("batch", "norm_length", "embed"))
+        x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
+        x = constrain(x, ("batch", "length", "embed"))
+        h_BTD = h_BTD + SwiGLU(cfg.ffn_dim, dtype, name="mlp")(x)
+        return constrain(h_BTD, ("batch", "norm_length", "embed")), None
+
+
+class Llama(nn.Module):
+    """tokens (B, T) int -> logits (B, T, V) in float32."""
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
+        h_BTD = constrain(embed(tokens_BT), ("batch", "norm_length", "embed"))
+
+        layer = DecoderLayer
+        if cfg.remat != "none":
+            layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            h_BTD, _ = stack(cfg, name="layers")(h_BTD)
+        else:
+            for i in range(cfg.num_layers):
+                h_BTD, _ = layer(cfg, name=f"layer_{i}")(h_BTD)
+
+        h_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
+        h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+        if cfg.tie_embeddings:
+            logits = embed.attend(h_BTD)
+        else:
+            logits = Linear((cfg.vocab_size,), ("embed", "vocab"), dtype, name="lm_head")(h_BTD)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -1,0 +1,1 @@
+"""ZeRO-Cache: memory-tier planner and streaming (a later issue)."""

@@ -1,0 +1,1 @@
+"""shard_map regions with explicit collectives (ring attention, all-to-all, pipeline); none yet."""

@@ -1,0 +1,181 @@
+"""Logical axis names and the one table that maps them to mesh axes.
+
+Model code names the dimensions of its params and activations with `LOGICAL_AXES`; `axis_rules`
+decides where each lives on the mesh for a given config. ZeRO then adds the `data` axis to the
+param-shaped states it shards (`zero_spec`). Compute layouts never contain that extra `data`
+sharding, so under ZeRO-3 each layer's weights are all-gathered where they are used and their
+gradients reduce-scattered on the way back.
+"""
+
+import contextlib
+import math
+
+import jax
+import ml_collections
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from angel_jax.config import ConfigError
+
+LOGICAL_AXES = (
+    "batch",
+    "length",  # Sequence positions in attention and MLP regions.
+    "norm_length",  # Sequence positions in norm/residual regions (Megatron sequence parallel).
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "layers",
+)
+
+Rules = dict[str, str | tuple[str, ...] | None]
+
+
+def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
+    """The logical -> mesh axis table for this config, after checking every divisibility."""
+    m, t = config.model, config.train
+    tp, dp = mesh.shape["tensor"], mesh.shape["data"]
+    _check_divisible("config.model.num_heads", m.num_heads, "config.mesh.tensor", tp)
+    _check_divisible("config.model.ffn_dim", m.ffn_dim, "config.mesh.tensor", tp)
+    _check_divisible("config.model.vocab_size", m.vocab_size, "config.mesh.tensor", tp)
+    _check_divisible(
+        "config.train.batch_size / config.train.microbatches",
+        t.batch_size // t.microbatches,
+        "config.mesh.data",
+        dp,
+    )
+    if m.sequence_parallel:
+        _check_divisible("config.train.seq_len", t.seq_len, "config.mesh.tensor", tp)
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise ConfigError(
+            f"config.model.num_kv_heads={m.num_kv_heads} and config.mesh.tensor={tp}: one must "
+            "divide the other (KV heads are split over tensor, or replicated when fewer)"
+        )
+    return {
+        "batch": "data",
+        "length": None,
+        "norm_length": "tensor" if m.sequence_parallel else None,
+        "embed": None,
+        "heads": "tensor",
+        # Fewer KV heads than tensor ranks: each rank computes all KV heads (they are cheap
+        # under GQA) and attention repeats them to the query heads it holds.
+        "kv_heads": "tensor" if m.num_kv_heads % tp == 0 else None,
+        "head_dim": None,
+        "mlp": "tensor",
+        "vocab": "tensor",
+        "layers": None,
+    }
+
+
+def _check_divisible(name: str, value: int, axis_name: str, size: int) -> None:
+    if value % size:
+        raise ConfigError(
+            f"{name}={value} is not divisible by {axis_name}={size}; "
+            f"change one so that {size} divides {value}"
+        )
+
+
+def logical_to_spec(axes: tuple[str | None, ...], rules: Rules) -> P:
+    unknown = [a for a in axes if a is not None and a not in rules]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} have no rule; known: {sorted(rules)}")
+    return P(*(None if a is None else rules[a] for a in axes))
+
+
+# The (mesh, rules) used by `constrain` while a model is traced.
+_active: list[tuple[Mesh, Rules]] = []
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Rules):
+    """Makes `constrain` place activations with `rules` on `mesh` (no-op outside)."""
+    _active.append((mesh, rules))
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+def rule(name: str):
+    """The mesh axes that logical axis `name` maps to now (None outside `use_rules`)."""
+    return _active[-1][1][name] if _active else None
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pins `x` to the layout of its logical `axes` under the active rules."""
+    if not _active:
+        return x
+    mesh, rules = _active[-1]
+    if x.ndim != len(axes):
+        raise ValueError(f"array of shape {x.shape} given {len(axes)} logical axes {axes}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+
+
+def logical_axes(boxed_tree) -> dict:
+    """Logical axis names of each param (a PartitionSpec of names) from flax's boxed params."""
+    return nn.get_partition_spec(boxed_tree)
+
+
+def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Adds the `data` axis to the largest free dimension it divides (ZeRO sharding).
+
+    A state too small to split stays replicated over `data`; that costs little, and every
+    large weight matrix has a dimension divisible by any sensible data-parallel size.
+    """
+    dp = mesh.shape["data"]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if dp == 1:
+        return P(*entries)
+    free = [d for d, e in enumerate(entries) if e is None and shape[d] % dp == 0]
+    if not free:
+        return P(*entries)
+    best = max(free, key=lambda d: shape[d])
+    entries[best] = "data"
+    return P(*entries)
+
+
+def state_specs(logical_tree, abstract_tree, mesh: Mesh, rules: Rules, zero: bool):
+    """PartitionSpecs for a param-shaped tree: the logical layout, plus `data` if `zero`."""
+
+    def one(names: P, abstract):
+        spec = logical_to_spec(tuple(names), rules)
+        return zero_spec(spec, abstract.shape, mesh) if zero else spec
+
+    return jax.tree.map(one, logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def named(mesh: Mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def describe(tree) -> str:
+    """A table of each array's path, shape, dtype, mesh layout and bytes per device."""
+    rows = [("param", "shape", "dtype", "sharding", "MiB/device")]
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = x.sharding
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+        local = sharding.shard_shape(x.shape)
+        nbytes = math.prod(local) * np.dtype(x.dtype).itemsize
+        total += nbytes
+        rows.append(
+            (
+                jax.tree_util.keystr(path, simple=True, separator="/"),
+                str(tuple(x.shape)),
+                str(np.dtype(x.dtype)),
+                str(spec),
+                f"{nbytes / 2**20:.2f}",
+            )
+        )
+    rows.append(("total", "", "", "", f"{total / 2**20:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def print_sharding(tree) -> None:
+    """Prints `describe(tree)`: e.g. `print_sharding(state.params)` in a notebook."""
+    print(describe(tree))
+

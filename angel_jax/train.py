@@ -1,0 +1,258 @@
+"""The train step and the objects around it, built once from a config and a mesh.
+
+`build(config, mesh)` gives an `Experiment`: the model, optimizer, every sharding, a sharded
+`init_state` and the jitted `train_step`. It is what the launcher runs and what a notebook or a
+test imports.
+"""
+
+import dataclasses
+import time
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from angel_jax import sharding
+from angel_jax.config import validate
+from angel_jax.models.llama import Llama, LlamaConfig
+from angel_jax.optim import learning_rate_schedule, make_optimizer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float):
+    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics."""
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    loss = jnp.mean(logz_BT - target_logit)
+    z = jnp.mean(jnp.square(logz_BT))
+    return loss + z_loss * z, dict(loss=loss, z_loss=z)
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: ml_collections.ConfigDict
+    mesh: Mesh
+    rules: sharding.Rules
+    model_config: LlamaConfig
+    model: Llama
+    optimizer: optax.GradientTransformation
+    state_sharding: TrainState  # Of NamedShardings.
+    grad_sharding: Any
+    batch_sharding: NamedSharding
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """Initialises the state directly in its sharded layout."""
+        seed = self.config.seed if seed is None else seed
+        init = jax.jit(self._init, out_shardings=self.state_sharding)
+        with sharding.use_rules(self.mesh, self.rules):
+            return init(jax.random.key(seed))
+
+    def _init(self, rng) -> TrainState:
+        tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
+        params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def loss(self, params, tokens_BT1: jax.Array):
+        logits = self.model.apply({"params": params}, tokens_BT1[:, :-1])
+        return cross_entropy(logits, tokens_BT1[:, 1:], self.config.train.z_loss)
+
+    def loss_and_grads(self, params, batch_BT1: jax.Array):
+        """Mean loss, metrics and float32 grads over the batch, accumulated over microbatches."""
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        micro = self.config.train.microbatches
+        constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=self.grad_sharding)
+        if micro == 1:
+            (_, metrics), grads = grad_fn(params, batch_BT1)
+            return metrics, constrain_grads(grads)
+        # Microbatch j takes rows j, j + micro, ...: each device keeps its own rows.
+        rows, length = batch_BT1.shape
+        micro_MBT = batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
+
+        def accumulate(acc, mb):
+            (_, metrics), grads = grad_fn(params, mb)
+            acc_metrics, acc_grads = acc
+            grads = constrain_grads(jax.tree.map(jnp.add, acc_grads, grads))
+            return (jax.tree.map(jnp.add, acc_metrics, metrics), grads), None
+
+        zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
+        metrics0 = dict(loss=jnp.zeros(()), z_loss=jnp.zeros(()))
+        (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, zeros), micro_MBT)
+        scale = 1.0 / micro
+        return jax.tree.map(lambda m: m * scale, metrics), jax.tree.map(lambda g: g * scale, grads)
+
+    def _train_step(self, state: TrainState, batch_BT1: jax.Array):
+        metrics, grads = self.loss_and_grads(state.params, batch_BT1)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics.update(
+            grad_norm=optax.global_norm(grads),
+            lr=learning_rate_schedule(self.config.train)(state.step),
+        )
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    @functools.cached_property
+    def train_step(self):
+        """(state, batch) -> (state, metrics); the state is donated."""
+        replicated = NamedSharding(self.mesh, P())
+        step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, replicated),
+            donate_argnums=0,
+        )
+
+        def run(state, batch):
+            with sharding.use_rules(self.mesh, self.rules):
+                return step(state, batch)
+
+        return run
+
+    def global_batch(self, rows: np.ndarray) -> jax.Array:
+        """This process's rows of the batch -> one global array laid out for the step."""
+        shape = (self.config.train.batch_size, rows.shape[1])
+        return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+
+
+def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
+    validate(config)
+    rules = sharding.axis_rules(config, mesh)
+    model_config = LlamaConfig.from_config(config.model, jax.default_backend())
+    model = Llama(model_config)
+    optimizer = make_optimizer(config.train)
+
+    tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    logical = sharding.logical_axes(boxed)
+    abstract_params = nn.meta.unbox(boxed)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+
+    stage = config.zero_stage
+    specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
+    param_specs, grad_specs, opt_param_specs = specs(stage >= 3), specs(stage >= 2), specs(stage >= 1)
+    opt_specs = optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        abstract_opt,
+        opt_param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    state_specs = TrainState(P(), param_specs, opt_specs)
+    state_sharding = sharding.named(mesh, state_specs)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt),
+        state_sharding,
+    )
+    return Experiment(
+        config=config,
+        mesh=mesh,
+        rules=rules,
+        model_config=model_config,
+        model=model,
+        optimizer=optimizer,
+        state_sharding=state_sharding,
+        grad_sharding=sharding.named(mesh, grad_specs),
+        batch_sharding=NamedSharding(mesh, sharding.logical_to_spec(("batch", None), rules)),
+        abstract_state=abstract_state,
+    )
+
+
+def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+    """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train.steps`.
+
+    Returns the last logged metrics.
+    """
+    from angel_jax.checkpoint import Checkpointer
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
+
+    t = config.train
+    mesh = make_mesh(config.mesh)
+    exp = build(config, mesh)
+    batches = make_batches(config)  # Checks the data before any device memory is taken.
+    ckpt = None
+    if config.checkpoint.every_steps > 0:
+        ckpt = Checkpointer(
+            workdir, config.checkpoint.every_steps, config.checkpoint.keep, config.checkpoint.async_save
+        )
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is not None:
+        state, data_index = ckpt.restore(latest, exp.abstract_state)
+        say(f"resumed from {ckpt.directory / str(latest)}")
+    else:
+        state, data_index = exp.init_state(), 0
+    start = int(jax.device_get(state.step))
+
+    cfg = exp.model_config
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state.params))
+    mesh_text = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "1 device"
+    say(
+        f"angel-jax: {n_params / 1e6:.1f}M params, {cfg.num_layers} layers, mesh {mesh_text} "
+        f"({mesh.size} {jax.devices()[0].platform} devices), ZeRO-{config.zero_stage}, "
+        f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
+    )
+    peak = peak_tflops(t.peak_tflops)
+    if peak is None:
+        say(
+            f"note: no known peak FLOP/s for device kind {jax.devices()[0].device_kind!r}: MFU "
+            "is reported as null; set config.train.peak_tflops to report it"
+        )
+    flops_per_step = cfg.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
+    writer = MetricsWriter(workdir, t.tensorboard)
+    last = None
+
+    def due(step):
+        return step % t.log_every_steps == 0 or step == t.steps or step == start + 1
+
+    def log(step, device_metrics):
+        nonlocal last, t_last, step_last
+        metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+        now = time.perf_counter()
+        step_time = (now - t_last) / (step - step_last)
+        metrics.update(
+            step_time_s=step_time,
+            tokens_per_s=t.batch_size * t.seq_len / step_time,
+            mfu=None if peak is None else flops_per_step / step_time / (peak * 1e12 * mesh.size),
+        )
+        if step == start + 1:
+            metrics["includes_compile"] = True
+        writer.write(step, metrics)
+        say(progress_line(step, t.steps, metrics))
+        t_last, step_last, last = now, step, metrics
+
+    t_last, step_last = time.perf_counter(), start
+    pending = None
+    batch_iter = batches.iterate(data_index)
+    for step in range(start, t.steps):
+        batch = exp.global_batch(next(batch_iter))
+        with jax.transfer_guard("disallow"):
+            state, metrics = exp.train_step(state, batch)
+        if pending:  # Step t's metrics are read after step t+1 is dispatched.
+            log(*pending)
+            pending = None
+        if due(step + 1):
+            pending = (step + 1, metrics)
+        if ckpt and ckpt.should_save(step + 1, t.steps):
+            ckpt.save(step + 1, state, data_index + step + 1 - start)
+    if pending:
+        log(*pending)
+    if ckpt:
+        ckpt.close()
+    writer.close()
+    return last
