@@ -1,0 +1,141 @@
+"""Tokens/s and MFU of angel-jax beside the peer baselines, in one GPU job.
+
+    python experiments/throughput.py --baselines BASELINE_DIR [--out experiments/results/x.json]
+
+Each system runs in its own process (a clean GPU each), on the same shape with random tokens;
+the table and the JSON give tokens/s, MFU (the baselines' formula, 989 TFLOP/s peak) and
+peak memory, and each system's ratio to the plain JAX baseline.
+`--child CONFIG [overrides]` is the per-variant worker for our runs.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# (name, config overrides) for our runs; the first is the default llama_1b config.
+VARIANTS = [
+    ("angel-jax", []),
+    ("angel-jax remat=none", ["--config.model.remat=none"]),
+    ("angel-jax batch16 remat=dots_no_batch", ["--config.train.batch_size=16", "--config.model.remat=dots_no_batch"]),
+]
+BASELINES = [
+    ("plain-jax", ["plain_jax_llama.py"]),
+    ("plain-jax batch16 remat", ["plain_jax_llama.py", "--batch", "16", "--remat"]),
+]
+
+
+def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Times `steps` train steps of our trainer after `warmup` steps; prints one JSON line."""
+    sys.path.insert(0, str(ROOT))
+    import jax
+
+    from angel_jax.config import load_config
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    config = load_config(config_path, ["--config.data.synthetic=true", *overrides])
+    exp = build(config, make_mesh(config.mesh))
+    state = exp.init_state()
+    batches = make_batches(config).iterate(0)
+    for _ in range(warmup):
+        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+    loss = float(metrics["loss"])
+    step_s = (time.perf_counter() - start) / steps
+    t, m = config.train, exp.model_config
+    tokens_per_s = t.batch_size * t.seq_len / step_s
+    stats = jax.devices()[0].memory_stats() or {}
+    return dict(
+        step_s=step_s,
+        tokens_per_s=tokens_per_s,
+        mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
+        loss=loss,
+        peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+        batch=t.batch_size,
+        seq=t.seq_len,
+    )
+
+
+def run(cmd: list[str], cwd) -> dict:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return dict(error=(proc.stderr or proc.stdout).strip().splitlines()[-5:])
+    return json.loads(lines[-1])
+
+
+def machine() -> dict:
+    import jax
+
+    return dict(
+        device=jax.devices()[0].device_kind,
+        device_count=jax.device_count(),
+        host=platform.node(),
+        python=platform.python_version(),
+        jax=jax.__version__,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
+    p.add_argument("--baselines", help="directory holding the peer baselines (plain_jax_llama.py)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", default="", help="comma-separated variant names to run")
+    p.add_argument("--out", default=str(ROOT / "experiments/results/throughput_llama_1b.json"))
+    p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.config, args.child, args.steps, args.warmup)), flush=True)
+        return 0
+
+    results = []
+    only = set(filter(None, args.only.split(",")))
+    for name, overrides in VARIANTS:
+        if only and name not in only:
+            continue
+        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--child", *overrides]
+        results.append({**run(cmd, ROOT), "system": name, "overrides": overrides})
+        print(json.dumps(results[-1]), flush=True)
+    if args.baselines:
+        for name, cmd in BASELINES:
+            if only and name not in only:
+                continue
+            full = [sys.executable, *cmd, "--steps", str(args.steps)]
+            results.append({**run(full, args.baselines), "system": name, "command": " ".join(cmd)})
+            print(json.dumps(results[-1]), flush=True)
+
+    base = next((r for r in results if r["system"] == "plain-jax" and "tokens_per_s" in r), None)
+    print(f"\n{'system':<40} {'batch':>5} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs plain-jax':>13}")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['system']:<40} failed: {r.get('error')}")
+            continue
+        batch = r.get("batch") or r.get("shape", {}).get("batch")
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        print(f"{r['system']:<40} {batch:>5} {r['tokens_per_s']:>10,.0f} {r['mfu']:>7.3f} {peak:>9} {ratio:>13}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""A run killed with SIGKILL at any moment and restarted continues to the same losses, bitwise."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+STEPS = 12
+ARGS = [
+    "--config", "configs/tiny.py",
+    f"--config.train.steps={STEPS}",
+    "--config.train.log_every_steps=1",
+    "--config.train.batch_size=8",
+    "--config.train.seq_len=32",
+    "--config.model.num_layers=1",
+    "--config.checkpoint.every_steps=3",
+    "--config.mesh.data=4",
+    "--config.mesh.tensor=2",
+    "--config.zero_stage=3",
+]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env():
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    return e
+
+
+def launch(workdir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "angel_jax.launch", "--workdir", str(workdir), *ARGS],
+        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def losses(workdir) -> dict[int, float]:
+    """Loss per step; a step logged again after a restart overwrites the earlier line."""
+    out = {}
+    path = workdir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def committed(workdir) -> bool:
+    ckpts = workdir / "checkpoints"
+    return ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())
+
+
+def finish(proc) -> str:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    """Losses of an uninterrupted run."""
+    reference = tmp_path_factory.mktemp("reference")
+    finish(launch(reference))
+    result = losses(reference)
+    assert sorted(result) == list(range(1, STEPS + 1))
+    return result
+
+
+@pytest.mark.parametrize("kill_after_step", [4, 8])
+def test_sigkill_and_resume_matches_uninterrupted(tmp_path, expected, kill_after_step):
+    run = tmp_path / "killed"
+    proc = launch(run)
+    deadline = time.time() + 240
+    # Kill once a checkpoint is complete (orbax renames it to its step number on commit), so
+    # the restart must resume rather than start over.
+    while max(losses(run), default=0) < kill_after_step or not committed(run):
+        assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(losses(run))
+    assert killed_at < STEPS, "killed too late to test resuming"
+
+    log = finish(launch(run))
+    assert "resumed from" in log
+    assert losses(run) == expected  # Bitwise: the same floats at every step.
