@@ -14,7 +14,9 @@ from angel_jax.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--workdir", required=True, help="metrics, TensorBoard logs, checkpoints")
     args, overrides = parser.parse_known_args(argv)

@@ -14,7 +14,8 @@ import jax
 import ml_collections
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
 
@@ -172,10 +173,9 @@ def describe(tree) -> str:
         )
     rows.append(("total", "", "", "", f"{total / 2**20:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def print_sharding(tree) -> None:
     """Prints `describe(tree)`: e.g. `print_sharding(state.params)` in a notebook."""
     print(describe(tree))
-

@@ -6,8 +6,8 @@ test imports.
 """
 
 import dataclasses
-import time
 import functools
+import time
 from typing import Any
 
 import flax
@@ -17,7 +17,8 @@ import ml_collections
 import numpy as np
 import optax
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import validate
@@ -74,7 +75,9 @@ class Experiment:
         """Mean loss, metrics and float32 grads over the batch, accumulated over microbatches."""
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         micro = self.config.train.microbatches
-        constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=self.grad_sharding)
+        constrain_grads = functools.partial(
+            jax.lax.with_sharding_constraint, shardings=self.grad_sharding
+        )
         if micro == 1:
             (_, metrics), grads = grad_fn(params, batch_BT1)
             return metrics, constrain_grads(grads)
@@ -99,7 +102,7 @@ class Experiment:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(
-            grad_norm=optax.global_norm(grads),
+            grad_norm=optax.tree.norm(grads),
             lr=learning_rate_schedule(self.config.train)(state.step),
         )
         return TrainState(state.step + 1, params, opt_state), metrics
@@ -142,7 +145,11 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
 
     stage = config.zero_stage
     specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
-    param_specs, grad_specs, opt_param_specs = specs(stage >= 3), specs(stage >= 2), specs(stage >= 1)
+    param_specs, grad_specs, opt_param_specs = (
+        specs(stage >= 3),
+        specs(stage >= 2),
+        specs(stage >= 1),
+    )
     opt_specs = optax.tree_map_params(
         optimizer,
         lambda _, spec: spec,
@@ -189,7 +196,10 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     ckpt = None
     if config.checkpoint.every_steps > 0:
         ckpt = Checkpointer(
-            workdir, config.checkpoint.every_steps, config.checkpoint.keep, config.checkpoint.async_save
+            workdir,
+            config.checkpoint.every_steps,
+            config.checkpoint.keep,
+            config.checkpoint.async_save,
         )
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:

@@ -11,7 +11,6 @@ peak memory, and each system's ratio to the plain JAX baseline.
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import subprocess
@@ -24,7 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = [
     ("angel-jax", []),
     ("angel-jax remat=none", ["--config.model.remat=none"]),
-    ("angel-jax batch16 remat=dots_no_batch", ["--config.train.batch_size=16", "--config.model.remat=dots_no_batch"]),
+    (
+        "angel-jax batch16 remat=dots_no_batch",
+        ["--config.train.batch_size=16", "--config.model.remat=dots_no_batch"],
+    ),
 ]
 BASELINES = [
     ("plain-jax", ["plain_jax_llama.py"]),
@@ -108,8 +110,18 @@ def main() -> int:
     for name, overrides in VARIANTS:
         if only and name not in only:
             continue
-        cmd = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--child", *overrides]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--child",
+            *overrides,
+        ]
         results.append({**run(cmd, ROOT), "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
     if args.baselines:
@@ -121,7 +133,8 @@ def main() -> int:
             print(json.dumps(results[-1]), flush=True)
 
     base = next((r for r in results if r["system"] == "plain-jax" and "tokens_per_s" in r), None)
-    print(f"\n{'system':<40} {'batch':>5} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs plain-jax':>13}")
+    header = ("system", "batch", "tokens/s", "MFU", "peak GiB", "vs plain-jax")
+    print("\n{:<40} {:>5} {:>10} {:>7} {:>9} {:>13}".format(*header))
     for r in results:
         if "tokens_per_s" not in r:
             print(f"{r['system']:<40} failed: {r.get('error')}")
@@ -129,10 +142,13 @@ def main() -> int:
         batch = r.get("batch") or r.get("shape", {}).get("batch")
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
-        print(f"{r['system']:<40} {batch:>5} {r['tokens_per_s']:>10,.0f} {r['mfu']:>7.3f} {peak:>9} {ratio:>13}")
+        tps, mfu = f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}"
+        print(f"{r['system']:<40} {batch:>5} {tps:>10} {mfu:>7} {peak:>9} {ratio:>13}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1))
+    out.write_text(
+        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
+    )
     print(f"wrote {out}")
     return 0
 

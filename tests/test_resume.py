@@ -11,7 +11,8 @@ import pytest
 
 STEPS = 12
 ARGS = [
-    "--config", "configs/tiny.py",
+    "--config",
+    "configs/tiny.py",
     f"--config.train.steps={STEPS}",
     "--config.train.log_every_steps=1",
     "--config.train.batch_size=8",
@@ -34,7 +35,11 @@ def env():
 def launch(workdir):
     return subprocess.Popen(
         [sys.executable, "-m", "angel_jax.launch", "--workdir", str(workdir), *ARGS],
-        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -14,10 +14,17 @@ from angel_jax.train import build
 def small_config(zero_stage=1, microbatches=1, **overrides):
     c = default_config()
     c.model.update(
-        num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=512,
+        num_layers=2,
+        d_model=64,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_dim=128,
+        vocab_size=512,
         dtype="float32",
     )
-    c.train.update(batch_size=16, seq_len=32, steps=10, warmup_steps=1, lr=1e-2, microbatches=microbatches)
+    c.train.update(
+        batch_size=16, seq_len=32, steps=10, warmup_steps=1, lr=1e-2, microbatches=microbatches
+    )
     c.zero_stage = zero_stage
     for key, value in overrides.items():
         section, name = key.split("__")
@@ -59,7 +66,9 @@ CASES = {
     "data4_tensor2_zero3": dict(zero_stage=3, mesh__data=4, mesh__tensor=2),
     "data8_zero0": dict(zero_stage=0, mesh__data=8),
     "data8_zero2": dict(zero_stage=2, mesh__data=8),
-    "data2_tensor4_sp_zero3": dict(zero_stage=3, mesh__data=2, mesh__tensor=4, model__sequence_parallel=True),
+    "data2_tensor4_sp_zero3": dict(
+        zero_stage=3, mesh__data=2, mesh__tensor=4, model__sequence_parallel=True
+    ),
     "tensor8_kv_replicated": dict(mesh__data=1, mesh__tensor=8),  # 4 KV heads < 8 ranks.
     "data4_tensor2_microbatch4": dict(microbatches=4, zero_stage=2, mesh__data=4, mesh__tensor=2),
 }
@@ -73,10 +82,14 @@ def test_sharded_equals_single_device(case, reference):
     init, grads, losses, final = run_steps(config, jax.devices())
     # Initialisation does not depend on the layout (threefry_partitionable).
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), init, ref_init)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), grads, ref_grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), grads, ref_grads
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]  # The steps did train.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), final, ref_final)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), final, ref_final
+    )
 
 
 def specs(tree):
@@ -85,7 +98,7 @@ def specs(tree):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_layouts(stage):
-    """Stage >= 1 shards optimizer state over data, >= 2 grads, 3 params; HLO shows the collectives."""
+    """Stage >= 1 shards optimizer state over data, >= 2 grads, 3 params."""
     config = small_config(zero_stage=stage, mesh__data=8)
     exp = build(config, make_mesh(config.mesh))
     state = exp.init_state()

@@ -109,7 +109,9 @@ class Llama(nn.Module):
 
         layer = DecoderLayer
         if cfg.remat != "none":
-            layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            layer = nn.remat(
+                layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers
+            )
         if cfg.scan_layers:
             stack = nn.scan(
                 layer,
