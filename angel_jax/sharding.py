@@ -173,7 +173,9 @@ def describe(tree) -> str:
         )
     rows.append(("total", "", "", "", f"{total / 2**20:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 def print_sharding(tree) -> None:
