@@ -5,6 +5,7 @@ commit), so a process killed mid-save leaves the previous checkpoint as the late
 """
 
 import pathlib
+import sys
 
 import orbax.checkpoint as ocp
 
@@ -15,10 +16,21 @@ class Checkpointer:
     def __init__(self, workdir: str, every_steps: int, keep: int, async_save: bool = True):
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.every_steps = every_steps
+        # lightweight_initialize: list steps without reading each one's metadata file, which
+        # orbax would log (not raise) about when damaged; restore() then reports it once.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=async_save,
+            lightweight_initialize=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise ConfigError(
+                f"--workdir {workdir}: cannot create {self.directory} ({e}); pass a writable "
+                "directory as --workdir"
+            ) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -37,6 +49,8 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
+        previous_hook = sys.unraisablehook
+        sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
         try:
             restored = self.manager.restore(
                 step,
@@ -45,13 +59,33 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # Orbax raises many types for damaged files.
+            # The filter stays: reads still in flight fail after this, until the process exits.
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise ConfigError(
                 f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
-                "directory to resume from the one before, or pass a new --workdir"
+                "directory to resume from the one before, or pass a new --workdir (also if the "
+                "model config changed since it was saved)"
             ) from None
+        sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _drop_closed_loop_callbacks(previous_hook):
+    """An unraisable-exception hook that drops tensorstore callbacks into a closed event loop.
+
+    When one read of a damaged checkpoint fails, orbax closes its event loop while other reads
+    are still in flight; each of those later prints a "RuntimeError: Event loop is closed"
+    traceback. The failure itself is reported as one line, so those are noise.
+    """
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous_hook(unraisable)
+
+    return hook

@@ -63,7 +63,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ml_collections.FieldReference(None, field_type=str)  # None: default corpus.
-    c.data.synthetic = False  # Random tokens, for benchmarks.
+    c.data.synthetic = False  # Random tokens, for benchmarks; data.path wins if set.
     c.data.prefetch = 2  # Batches prepared ahead by a background thread.
 
     c.checkpoint = ml_collections.ConfigDict()
@@ -81,6 +81,8 @@ def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
             f"--config {path}: no such file; pass a file from configs/, e.g. configs/tiny.py"
         )
     spec = importlib.util.spec_from_file_location(f"angel_config_{file.stem}", file)
+    if spec is None:
+        raise ConfigError(f"--config {path}: not a Python file; pass a .py file from configs/")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
@@ -92,6 +94,7 @@ def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+    """Sets each `--config.a.b=value`, parsed as the type the field already has."""
     for arg in overrides:
         if not arg.startswith("--config.") or "=" not in arg:
             raise ConfigError(f"{arg}: expected --config.KEY=VALUE")
@@ -99,25 +102,40 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         *parents, leaf = key.split(".")
         node = config
         for depth, name in enumerate(parents + [leaf]):
-            if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+            if not isinstance(node, ml_collections.ConfigDict):
+                above = ".".join(parents[:depth])
+                raise ConfigError(
+                    f"--config.{key}: config.{above} is a single value, not a group of settings; "
+                    f"set it with --config.{above}=VALUE"
+                )
+            if name not in node:
                 where = ".".join(parents[:depth]) or "config"
-                known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-                close = difflib.get_close_matches(name, known, n=1)
+                close = difflib.get_close_matches(name, sorted(node.keys()), n=1)
                 hint = (
-                    f"did you mean {close[0]}?" if close else f"keys of {where}: {', '.join(known)}"
+                    f"did you mean {close[0]}?"
+                    if close
+                    else f"keys of {where}: {', '.join(sorted(node.keys()))}"
                 )
                 raise ConfigError(f"--config.{key}: unknown config key '{name}' ({hint})")
             if depth < len(parents):
                 node = node[name]
+        field_type = node.get_type(leaf)
+        if isinstance(node[leaf], ml_collections.ConfigDict):
+            first = sorted(node[leaf].keys())[0]
+            raise ConfigError(
+                f"--config.{key}: config.{key} is a group of settings; set one of them, "
+                f"e.g. --config.{key}.{first}=VALUE"
+            )
         try:
-            node[leaf] = _parse_value(text, node.get_type(leaf))
+            node[leaf] = _parse_value(text, field_type)
         except (TypeError, ValueError) as e:
             raise ConfigError(
-                f"--config.{key}={text}: wrong type, expected {node.get_type(leaf).__name__} ({e})"
+                f"--config.{key}={text}: wrong type, expected {field_type.__name__} ({e})"
             ) from None
 
 
 def _parse_value(text: str, field_type: type):
+    """`text` as a `field_type`; for str fields, `None` unsets (e.g. config.data.path)."""
     if field_type is bool:
         if text.lower() in ("true", "1", "yes"):
             return True
@@ -125,13 +143,22 @@ def _parse_value(text: str, field_type: type):
             return False
         raise ValueError("use true or false")
     if field_type is str:
-        return text
+        return None if text == "None" else text
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ValueError(f"cannot read {text!r} as a {field_type.__name__}") from None
+        raise ValueError(f"cannot read {text!r} as {field_type.__name__}") from None
+    # ml_collections would take True for an int field; a bool there is a mistake.
+    if field_type in (int, float) and isinstance(value, bool):
+        raise ValueError("got a bool, give a number")
     if field_type is int and isinstance(value, float) and value.is_integer():
         value = int(value)
+    if field_type is int and not isinstance(value, int):
+        raise ValueError(f"got {type(value).__name__} {value!r}, give a whole number")
+    if field_type is float and isinstance(value, int):
+        value = float(value)
+    if field_type is float and not isinstance(value, float):
+        raise ValueError(f"got {type(value).__name__} {value!r}, give a number")
     return value
 
 
@@ -145,6 +172,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
         if m[name] <= 0:
             raise ConfigError(f"config.model.{name}={m[name]}: must be positive")
+    for name in ("steps", "batch_size", "seq_len", "log_every_steps", "microbatches"):
+        if t[name] <= 0:
+            raise ConfigError(f"config.train.{name}={t[name]}: must be positive")
+    if m.head_dim < 0:
+        raise ConfigError(f"config.model.head_dim={m.head_dim}: use 0 (d_model // num_heads) or >0")
     if not m.head_dim and m.d_model % m.num_heads:
         raise ConfigError(
             f"config.model.d_model={m.d_model} is not divisible by num_heads={m.num_heads}; "
@@ -152,8 +184,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
-            f"config.model.num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}; "
-            "GQA needs each KV head shared by the same number of query heads"
+            f"config.model.num_heads={m.num_heads} is not divisible by "
+            f"config.model.num_kv_heads={m.num_kv_heads}; GQA needs each KV head shared by the "
+            "same number of query heads"
         )
     if config.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
@@ -168,6 +201,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.train.batch_size={t.batch_size} is not divisible by "
             f"config.train.microbatches={t.microbatches}"
         )
-    for name in ("steps", "batch_size", "seq_len", "log_every_steps", "microbatches"):
-        if t[name] <= 0:
-            raise ConfigError(f"config.train.{name}={t[name]}: must be positive")
+    if config.data.prefetch < 0:
+        raise ConfigError(f"config.data.prefetch={config.data.prefetch}: must be 0 or more")
+    if config.checkpoint.every_steps < 0:
+        raise ConfigError(
+            f"config.checkpoint.every_steps={config.checkpoint.every_steps}: must be 0 "
+            "(no checkpoints) or more"
+        )
+    if config.checkpoint.keep < 1:
+        raise ConfigError(
+            f"config.checkpoint.keep={config.checkpoint.keep}: must be at least 1; "
+            "set config.checkpoint.every_steps=0 to save none"
+        )

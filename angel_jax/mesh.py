@@ -36,7 +36,8 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
         if num_devices % known:
             raise ConfigError(
                 f"config.mesh: the fixed axes multiply to {known}, which does not divide the "
-                f"{num_devices} devices; change the sizes so config.mesh.{free[0]}=-1 can take the rest"
+                f"{num_devices} devices; change the sizes so config.mesh.{free[0]}=-1 can take "
+                "the rest"
             )
         sizes[free[0]] = num_devices // known
     elif known != num_devices:

@@ -1,6 +1,7 @@
 """Golden sharding dumps: a change in how any state of a real-size model is laid out fails here.
 
-Regenerate after an intended change with `ANGEL_UPDATE_GOLDEN=1 python -m pytest tests/test_sharding_golden.py`.
+Regenerate after an intended change:
+    ANGEL_UPDATE_GOLDEN=1 python -m pytest tests/test_sharding_golden.py
 Only shapes are traced (jax.eval_shape), so the full-size models cost no memory.
 """
 

@@ -3,4 +3,11 @@
 from angel_jax.data.loader import Batches, make_batches
 from angel_jax.data.tokens import ByteTokenizer, TokenFile, default_corpus, load_tokenizer
 
-__all__ = ["Batches", "ByteTokenizer", "TokenFile", "default_corpus", "load_tokenizer", "make_batches"]
+__all__ = [
+    "Batches",
+    "ByteTokenizer",
+    "TokenFile",
+    "default_corpus",
+    "load_tokenizer",
+    "make_batches",
+]

@@ -26,7 +26,9 @@ class Batches:
         return self._dataset[index]
 
     def iterate(self, start: int):
-        read = grain.ReadOptions(num_threads=max(1, self._prefetch), prefetch_buffer_size=self._prefetch)
+        read = grain.ReadOptions(
+            num_threads=max(1, self._prefetch), prefetch_buffer_size=self._prefetch
+        )
         return iter(self._dataset[start:].to_iter_dataset(read))
 
 
@@ -37,7 +39,7 @@ def make_batches(config: ml_collections.ConfigDict) -> Batches:
     lo = jax.process_index() * rows
     length = t.seq_len + 1
 
-    if config.data.synthetic:
+    if config.data.synthetic and config.data.path is None:
         vocab = config.model.vocab_size
 
         def synthetic(step):
@@ -65,7 +67,11 @@ def make_batches(config: ml_collections.ConfigDict) -> Batches:
         )
 
     def read(window_ids):
-        return np.stack([tokens[i * t.seq_len : i * t.seq_len + length] for i in window_ids[lo : lo + rows]]).astype(np.int32)
+        return np.stack(
+            [tokens[i * t.seq_len : i * t.seq_len + length] for i in window_ids[lo : lo + rows]]
+        ).astype(np.int32)
 
-    dataset = grain.MapDataset.range(windows).shuffle(seed=seed).repeat().batch(t.batch_size).map(read)
+    dataset = (
+        grain.MapDataset.range(windows).shuffle(seed=seed).repeat().batch(t.batch_size).map(read)
+    )
     return Batches(dataset, config.data.prefetch)

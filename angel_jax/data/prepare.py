@@ -22,12 +22,21 @@ def prepare(inputs: list[str], out: str, tokenizer_path: str | None = None) -> d
             raise ConfigError(f"prepare: input {name} does not exist; give text files to tokenize")
         texts.append(path.read_text(encoding="utf-8", errors="replace"))
     tokens = encode_documents(texts, tokenizer)
-    save_token_file(out, tokens, tokenizer)
-    return dict(out=out, documents=len(texts), tokens=int(tokens.size), vocab_size=tokenizer.vocab_size)
+    try:
+        save_token_file(out, tokens, tokenizer)
+    except OSError as e:
+        raise ConfigError(
+            f"prepare: cannot write --out {out} ({e}); choose a writable path"
+        ) from None
+    return dict(
+        out=out, documents=len(texts), tokens=int(tokens.size), vocab_size=tokenizer.vocab_size
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("inputs", nargs="+", help="text files, one document each")
     parser.add_argument("--out", required=True, help="token file to write (.npy)")
     parser.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
@@ -37,8 +46,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {info['tokens']} tokens from {info['documents']} documents to {info['out']} "
-          f"(vocab {info['vocab_size']})")
+    print(
+        f"wrote {info['tokens']} tokens from {info['documents']} documents to {info['out']} "
+        f"(vocab {info['vocab_size']})"
+    )
     return 0
 
 

@@ -41,12 +41,21 @@ class HFTokenizer:
             ) from None
         if not pathlib.Path(path).is_file():
             raise ConfigError(f"--tokenizer {path}: no such file; give a tokenizer.json")
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises its own error types for bad files.
+            raise ConfigError(
+                f"--tokenizer {path}: not a Hugging Face tokenizer.json ({e}); give the "
+                "tokenizer.json of a trained tokenizer"
+            ) from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size()
         eos = next(
-            (self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "[SEP]")
-             if self._tok.token_to_id(t) is not None),
+            (
+                self._tok.token_to_id(t)
+                for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "[SEP]")
+                if self._tok.token_to_id(t) is not None
+            ),
             None,
         )
         self.eos_id = eos if eos is not None else self.vocab_size
@@ -97,15 +106,25 @@ class TokenFile:
                 f"config.data.path={path}: expected a 1-D uint16/uint32 array, got "
                 f"{self.tokens.dtype} of shape {self.tokens.shape}; re-create it with prepare"
             )
+        if self.tokens.size == 0:
+            raise ConfigError(
+                f"config.data.path={path}: the token file is empty; re-create it from non-empty "
+                "text files with prepare"
+            )
         self.vocab_size = int(self.meta.get("vocab_size", int(self.tokens.max()) + 1))
 
 
 def save_token_file(path: str, tokens: np.ndarray, tokenizer) -> None:
     file = pathlib.Path(path)
     file.parent.mkdir(parents=True, exist_ok=True)
-    np.save(file, tokens)
-    meta = dict(tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                num_tokens=int(tokens.size))
+    with open(file, "wb") as f:  # np.save(path) would add ".npy" to a name without it.
+        np.save(f, tokens)
+    meta = dict(
+        tokenizer=tokenizer.name,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        num_tokens=int(tokens.size),
+    )
     file.with_suffix(".json").write_text(json.dumps(meta, indent=1))
 
 
