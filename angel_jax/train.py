@@ -7,6 +7,7 @@ test imports.
 
 import dataclasses
 import functools
+import pathlib
 import time
 from typing import Any
 
@@ -225,6 +226,8 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         )
     flops_per_step = cfg.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
     writer = MetricsWriter(workdir, t.tensorboard)
+    if jax.process_index() == 0:  # What this run was, for whoever reads the workdir later.
+        (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=1))
     last = None
 
     def due(step):
