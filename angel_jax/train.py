@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.config import validate
+from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.optim import learning_rate_schedule, make_optimizer
 
@@ -191,6 +191,10 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
 
     t = config.train
+    try:
+        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--workdir {workdir}: cannot create it ({e}); pass a writable directory")
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
     batches = make_batches(config)  # Checks the data before any device memory is taken.

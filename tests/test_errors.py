@@ -1,0 +1,373 @@
+"""Bad settings and inputs fail early with one line naming the setting and the fix.
+
+Mesh and sharding checks are tested in-process; a representative few run through the launcher,
+which must print exactly one `error:` line, no traceback, and exit non-zero. Checkpoints: a save
+and restore round trip, and damaged checkpoints reported as one line naming the directory.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from angel_jax.checkpoint import Checkpointer
+from angel_jax.config import ConfigError, default_config, load_config
+from angel_jax.data import ByteTokenizer
+from angel_jax.data.tokens import save_token_file
+from angel_jax.mesh import make_mesh, mesh_shape
+from angel_jax.sharding import axis_rules
+from angel_jax.train import build
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.py")
+CLI_ENV = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+}
+# Small enough that a run which gets as far as training compiles quickly.
+SMALL = [
+    "--config.train.steps=2",
+    "--config.train.batch_size=8",
+    "--config.train.seq_len=16",
+    "--config.train.tensorboard=false",
+    "--config.model.num_layers=1",
+]
+
+
+def launch(workdir, *overrides: str, config: str = "configs/tiny.py"):
+    return subprocess.run(
+        [sys.executable, "-m", "angel_jax.launch", "--config", config, "--workdir", str(workdir)]
+        + SMALL
+        + list(overrides),
+        cwd=REPO,
+        env=CLI_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_one_line_error(result, *names: str) -> str:
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for name in names:
+        assert name in lines[0]
+    return lines[0]
+
+
+# --- mesh sizes, in-process ----------------------------------------------------------------
+
+
+def mesh_config(**sizes):
+    mesh = default_config().mesh
+    mesh.update(sizes)
+    return mesh
+
+
+@pytest.mark.parametrize(
+    "sizes, devices, expected",
+    [
+        ({}, 8, dict(data=8)),
+        (dict(data=-1, tensor=4), 8, dict(data=2, tensor=4)),
+        (dict(data=2, tensor=-1), 8, dict(data=2, tensor=4)),
+        (dict(data=2, tensor=4), 8, dict(data=2, tensor=4)),
+        (dict(data=-1, tensor=2), 2, dict(data=1, tensor=2)),
+    ],
+)
+def test_mesh_shape_resolves_free_axis(sizes, devices, expected):
+    shape = mesh_shape(mesh_config(**sizes), devices)
+    assert shape == {**dict.fromkeys(shape, 1), **expected}
+    assert list(shape) == ["data", "pipeline", "expert", "context", "sequence", "tensor"]
+
+
+@pytest.mark.parametrize(
+    "sizes, names",
+    [
+        (dict(data=3), ["config.mesh", "multiply to 3", "8 devices", "set one axis to -1"]),
+        (dict(data=2, tensor=2), ["data=2 x tensor=2", "multiply to 4"]),
+        (dict(tensor=-1), ["only one axis may be -1", "data, tensor"]),
+        (dict(data=-1, tensor=3), ["fixed axes multiply to 3", "config.mesh.data=-1"]),
+        (dict(data=-1, tensor=16), ["fixed axes multiply to 16"]),
+        (dict(data=8, tensor=0), ["config.mesh.tensor=0", "positive or -1"]),
+        (dict(data=-1, tensor=-2), ["config.mesh.tensor=-2"]),
+        (dict(data=4, pipeline=2), ["config.mesh.pipeline=2", "not implemented", "set it to 1"]),
+        (dict(data=4, context=2), ["config.mesh.context=2", "set it to 1"]),
+    ],
+)
+def test_bad_mesh_sizes(sizes, names):
+    with pytest.raises(ConfigError) as e:
+        mesh_shape(mesh_config(**sizes), 8)
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_make_mesh_uses_every_device():
+    mesh = make_mesh(mesh_config(data=-1, tensor=2))
+    assert dict(mesh.shape) == dict(data=4, pipeline=1, expert=1, context=1, sequence=1, tensor=2)
+    assert mesh.size == len(jax.devices()) == 8
+
+
+# --- shapes that do not divide over the mesh, in-process ------------------------------------
+
+
+def rules_for(*overrides: str, data: int = -1, tensor: int = 1):
+    config = load_config(TINY, list(overrides))
+    return axis_rules(config, make_mesh(mesh_config(data=data, tensor=tensor)))
+
+
+@pytest.mark.parametrize(
+    "overrides, tensor, names",
+    [
+        ([], 8, ["config.model.num_heads=4 is not divisible by config.mesh.tensor=8"]),
+        (
+            ["--config.model.num_heads=8", "--config.model.ffn_dim=102"],
+            4,
+            ["config.model.ffn_dim=102", "config.mesh.tensor=4"],
+        ),
+        (["--config.model.vocab_size=257"], 2, ["config.model.vocab_size=257"]),
+        (
+            ["--config.model.num_heads=12", "--config.model.num_kv_heads=3"],
+            4,
+            ["config.model.num_kv_heads=3", "config.mesh.tensor=4"],
+        ),
+        (
+            ["--config.model.sequence_parallel=true", "--config.train.seq_len=127"],
+            2,
+            ["config.train.seq_len=127", "config.mesh.tensor=2"],
+        ),
+    ],
+)
+def test_indivisible_over_tensor(overrides, tensor, names):
+    with pytest.raises(ConfigError) as e:
+        rules_for(*overrides, data=8 // tensor, tensor=tensor)
+    for name in names:
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["--config.train.batch_size=12"], ["config.train.batch_size", "config.mesh.data=8"]),
+        (
+            ["--config.train.batch_size=16", "--config.train.microbatches=4"],
+            ["config.train.microbatches=4", "config.mesh.data=8"],
+        ),
+    ],
+)
+def test_indivisible_batch_over_data(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        rules_for(*overrides)
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_kv_heads_split_or_replicated_over_tensor():
+    assert rules_for(data=2, tensor=4)["kv_heads"] is None  # 2 KV heads, 4 ranks.
+    assert rules_for(data=4, tensor=2)["kv_heads"] == "tensor"
+    assert rules_for(data=4, tensor=2)["heads"] == "tensor"
+
+
+# --- through the launcher ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["--config.mesh.data=3"], ["config.mesh", "8 devices"]),
+        (["--config.mesh.tensor=-1"], ["config.mesh", "only one axis may be -1"]),
+        (
+            ["--config.mesh.data=1", "--config.mesh.tensor=8"],
+            ["config.model.num_heads=4", "config.mesh.tensor=8"],
+        ),
+        (["--config.model.num_kv_heads=3"], ["config.model.num_kv_heads=3"]),
+        (["--config.train.batch_size=12"], ["config.train.batch_size", "config.mesh.data=8"]),
+        (["--config.train.microbatches=0"], ["config.train.microbatches=0"]),
+        (["--config.data.path=/nonexistent.npy"], ["config.data.path=/nonexistent.npy", "prepare"]),
+        (["--config.train.stpes=2"], ["--config.train.stpes", "did you mean steps?"]),
+        (["--config.train.steps=two"], ["--config.train.steps=two", "expected int"]),
+        (["--config.data.synthetic=maybe"], ["--config.data.synthetic=maybe", "true or false"]),
+    ],
+    ids=[
+        "mesh-product",
+        "two-free-axes",
+        "heads-over-tensor",
+        "heads-over-kv-heads",
+        "batch-over-data",
+        "zero-microbatches",
+        "missing-data-file",
+        "unknown-key",
+        "wrong-type",
+        "bad-bool",
+    ],
+)
+def test_cli_one_line_error(tmp_path, overrides, names):
+    assert_one_line_error(launch(tmp_path, *overrides), *names)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_missing_config_file(tmp_path):
+    result = launch(tmp_path, config="configs/nope.py")
+    assert_one_line_error(result, "--config configs/nope.py", "configs/tiny.py")
+
+
+def test_cli_token_file_vocab_larger_than_model(tmp_path):
+    path = tmp_path / "tokens.npy"
+    save_token_file(str(path), np.arange(300, dtype=np.uint16) % 257, ByteTokenizer())
+    result = launch(tmp_path, f"--config.data.path={path}", "--config.model.vocab_size=256")
+    assert_one_line_error(
+        result, f"config.data.path={path}", "256", "set config.model.vocab_size >= 257"
+    )
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def small_experiment(*overrides: str):
+    config = load_config(TINY, SMALL + list(overrides))
+    return build(config, make_mesh(config.mesh))
+
+
+def scrambled_state(exp):
+    """A state shaped and placed like the real one with every leaf random, so that a restore
+    cannot pass by reading back zeros (built on the host: jitting random fills is slow)."""
+    rng = np.random.default_rng(0)
+
+    def leaf(abstract):
+        if jnp.issubdtype(abstract.dtype, jnp.floating):
+            value = rng.standard_normal(abstract.shape).astype(abstract.dtype)
+        else:
+            value = rng.integers(1, 1000, abstract.shape).astype(abstract.dtype)
+        return jax.device_put(value, abstract.sharding)
+
+    return jax.tree.map(leaf, exp.abstract_state)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_checkpoint_round_trip(tmp_path, zero_stage):
+    exp = small_experiment(f"--config.zero_stage={zero_stage}")
+    state = scrambled_state(exp)
+    ckpt = Checkpointer(str(tmp_path), every_steps=5, keep=2, async_save=True)
+    ckpt.save(7, state, data_index=11)
+    ckpt.close()
+
+    ckpt = Checkpointer(str(tmp_path), every_steps=5, keep=2)
+    assert ckpt.latest_step() == 7
+    restored, data_index = ckpt.restore(7, exp.abstract_state)
+    ckpt.close()
+    assert data_index == 11
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for path, want, got, sharding in zip(
+        jax.tree_util.tree_leaves_with_path(state),
+        jax.tree.leaves(state),
+        jax.tree.leaves(restored),
+        jax.tree.leaves(exp.state_sharding),
+        strict=True,
+    ):
+        assert got.dtype == want.dtype and got.shape == want.shape, path[0]
+        assert got.sharding == sharding, path[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path[0]))
+
+
+def test_checkpointer_keeps_the_latest(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2, async_save=False)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": jnp.full((4,), step, jnp.float32)}, data_index=10 * step)
+    ckpt.close()
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [2, 3]
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2)
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    state, data_index = ckpt.restore(ckpt.latest_step(), abstract)
+    ckpt.close()
+    np.testing.assert_array_equal(state["w"], [3.0] * 4)
+    assert data_index == 30
+
+
+def test_checkpointer_workdir_not_a_directory(tmp_path):
+    workdir = tmp_path / "a_file"
+    workdir.write_text("")
+    with pytest.raises(ConfigError) as e:
+        Checkpointer(str(workdir), every_steps=1, keep=1)
+    assert str(e.value).startswith(f"--workdir {workdir}: cannot create {workdir}/checkpoints")
+
+
+def test_should_save():
+    ckpt = object.__new__(Checkpointer)  # should_save needs no directory.
+    ckpt.every_steps = 3
+    assert [s for s in range(1, 9) if ckpt.should_save(s, last_step=7)] == [3, 6, 7]
+    ckpt.every_steps = 0
+    assert not any(ckpt.should_save(s, last_step=7) for s in range(1, 9))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A workdir after 2 steps of the launcher with a checkpoint at every step."""
+    workdir = tmp_path_factory.mktemp("trained")
+    result = launch(
+        workdir,
+        "--config.data.synthetic=true",
+        "--config.checkpoint.every_steps=1",
+        "--config.train.log_every_steps=1",
+    )
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
+    assert steps == [1, 2]
+    return workdir
+
+
+def test_trained_checkpoint_restores(trained):
+    exp = small_experiment("--config.data.synthetic=true")
+    ckpt = Checkpointer(str(trained), every_steps=1, keep=3)
+    assert ckpt.latest_step() == 2
+    state, data_index = ckpt.restore(2, exp.abstract_state)
+    ckpt.close()
+    assert int(state.step) == 2 and data_index == 2
+
+
+def truncate_all(step_dir: pathlib.Path) -> None:
+    for f in step_dir.rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def empty_manifests(step_dir: pathlib.Path) -> None:
+    manifests = list(step_dir.rglob("manifest.ocdbt"))
+    assert manifests
+    for f in manifests:
+        f.write_bytes(b"")
+
+
+def scribble_on_arrays(step_dir: pathlib.Path) -> None:
+    chunks = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert chunks
+    rng = np.random.default_rng(0)
+    for f in chunks:
+        f.write_bytes(rng.bytes(f.stat().st_size))
+
+
+def damage_data_item(step_dir: pathlib.Path) -> None:
+    for f in (step_dir / "data").rglob("*"):
+        if f.is_file():
+            f.write_text("{not json")
+
+
+@pytest.mark.parametrize(
+    "damage", [truncate_all, empty_manifests, scribble_on_arrays, damage_data_item]
+)
+def test_cli_corrupt_checkpoint(trained, tmp_path, damage):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    damage(workdir / "checkpoints" / "2")
+    result = launch(workdir, "--config.data.synthetic=true", "--config.checkpoint.every_steps=1")
+    line = assert_one_line_error(result, f"checkpoint {workdir / 'checkpoints' / '2'} ")
+    assert "delete that directory" in line
