@@ -194,7 +194,9 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     try:
         pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"--workdir {workdir}: cannot create it ({e}); pass a writable directory")
+        raise ConfigError(
+            f"--workdir {workdir}: cannot create it ({e}); pass a writable directory"
+        ) from None
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
     batches = make_batches(config)  # Checks the data before any device memory is taken.
