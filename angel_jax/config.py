@@ -70,6 +70,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 50  # 0 disables checkpoints.
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
+
+    # ZeRO-Cache: where model states live (angel_jax/offload/planner.py).
+    c.offload = ml_collections.ConfigDict()
+    c.offload.policy = "none"  # none | optimizer (master params + optimizer state on host) | auto.
+    c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
+    c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
     return c
 
 

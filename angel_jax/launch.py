@@ -13,8 +13,13 @@ import jax
 from angel_jax.config import ConfigError, load_config
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # One line, like every other input error.
+        self.exit(2, f"error: {message}; usage: {self.format_usage().strip()[7:]}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")

@@ -31,6 +31,11 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"config.mesh.{axis}={size}: axis sizes must be positive or -1")
+    for axis, what in _NOT_YET.items():
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"config.mesh.{axis}={sizes[axis]}: {what} is not implemented yet; set it to 1"
+            )
     known = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if num_devices % known:
@@ -45,11 +50,6 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
             f"config.mesh: axis sizes {_fmt(sizes)} multiply to {known}, but there are "
             f"{num_devices} devices; make the product {num_devices} or set one axis to -1"
         )
-    for axis, what in _NOT_YET.items():
-        if sizes[axis] > 1:
-            raise ConfigError(
-                f"config.mesh.{axis}={sizes[axis]}: {what} is not implemented yet; set it to 1"
-            )
     return sizes
 
 

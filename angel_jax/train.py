@@ -24,14 +24,18 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
+from angel_jax.offload.planner import HOST, Plan, make_plan
 from angel_jax.optim import learning_rate_schedule, make_optimizer
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any
+    params: Any  # float32 masters.
     opt_state: Any
+    # A compute-dtype copy on the device when the masters live in host memory (ZeRO-Cache);
+    # derived from `params`, so checkpoints leave it out.
+    compute_params: Any = None
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float):
@@ -55,6 +59,7 @@ class Experiment:
     grad_sharding: Any
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
+    plan: Plan
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
@@ -66,7 +71,28 @@ class Experiment:
     def _init(self, rng) -> TrainState:
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
         params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        return self._with_compute_params(state)
+
+    def _with_compute_params(self, state: TrainState) -> TrainState:
+        if not self.plan.offloads_optimizer:
+            return state
+        dtype = jnp.dtype(self.config.model.dtype)
+        masters = jax.device_put(state.params, self._on_device(self.state_sharding.params))
+        return state.replace(compute_params=jax.tree.map(lambda p: p.astype(dtype), masters))
+
+    @staticmethod
+    def _on_device(shardings):
+        return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+    def checkpointed(self, state: TrainState) -> TrainState:
+        """The part of `state` that checkpoints hold (the derived compute copy left out)."""
+        return state.replace(compute_params=None)
+
+    def from_checkpointed(self, state: TrainState) -> TrainState:
+        """Re-derives what `checkpointed` left out."""
+        derive = jax.jit(self._with_compute_params, out_shardings=self.state_sharding)
+        return derive(state)
 
     def loss(self, params, tokens_BT1: jax.Array):
         logits = self.model.apply({"params": params}, tokens_BT1[:, :-1])
@@ -99,14 +125,24 @@ class Experiment:
         return jax.tree.map(lambda m: m * scale, metrics), jax.tree.map(lambda g: g * scale, grads)
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
-        metrics, grads = self.loss_and_grads(state.params, batch_BT1)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        masters, opt_state = state.params, state.opt_state
+        if self.plan.offloads_optimizer:
+            # The device copy gives the same grads as the masters would: the model casts them
+            # to the compute dtype either way, and grads come back as float32.
+            params = jax.tree.map(lambda p: p.astype(jnp.float32), state.compute_params)
+            metrics, grads = self.loss_and_grads(params, batch_BT1)
+            masters = jax.device_put(masters, self._on_device(self.state_sharding.params))
+            opt_state = jax.device_put(opt_state, self._on_device(self.state_sharding.opt_state))
+        else:
+            metrics, grads = self.loss_and_grads(masters, batch_BT1)
+        updates, opt_state = self.optimizer.update(grads, opt_state, masters)
+        masters = optax.apply_updates(masters, updates)
         metrics.update(
             grad_norm=optax.tree.norm(grads),
             lr=learning_rate_schedule(self.config.train)(state.step),
         )
-        return TrainState(state.step + 1, params, opt_state), metrics
+        # Outputs return to their tiers through the jit's out_shardings.
+        return self._with_compute_params(TrainState(state.step + 1, masters, opt_state)), metrics
 
     @functools.cached_property
     def train_step(self):
@@ -131,6 +167,12 @@ class Experiment:
         return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
 
 
+def _with_shardings(abstract, shardings):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
     rules = sharding.axis_rules(config, mesh)
@@ -146,25 +188,37 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
 
     stage = config.zero_stage
     specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
-    param_specs, grad_specs, opt_param_specs = (
-        specs(stage >= 3),
-        specs(stage >= 2),
-        specs(stage >= 1),
-    )
     opt_specs = optax.tree_map_params(
         optimizer,
         lambda _, spec: spec,
         abstract_opt,
-        opt_param_specs,
+        specs(stage >= 1),
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
     )
-    state_specs = TrainState(P(), param_specs, opt_specs)
-    state_sharding = sharding.named(mesh, state_specs)
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params, abstract_opt),
-        state_sharding,
+    param_sharding = sharding.named(mesh, specs(stage >= 3))
+    opt_sharding = sharding.named(mesh, opt_specs)
+    plan = make_plan(
+        config,
+        mesh,
+        _with_shardings(abstract_params, param_sharding),
+        _with_shardings(abstract_opt, opt_sharding),
+    )
+    compute_sharding = abstract_compute = None
+    if plan.offloads_optimizer:
+        dtype = jnp.dtype(config.model.dtype)
+        compute_sharding = param_sharding
+        abstract_compute = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
+        )
+        to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(HOST), tree)
+        param_sharding, opt_sharding = to_host(param_sharding), to_host(opt_sharding)
+    state_sharding = TrainState(
+        NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract_state = _with_shardings(
+        TrainState(scalar, abstract_params, abstract_opt, abstract_compute), state_sharding
     )
     return Experiment(
         config=config,
@@ -174,9 +228,10 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         model=model,
         optimizer=optimizer,
         state_sharding=state_sharding,
-        grad_sharding=sharding.named(mesh, grad_specs),
+        grad_sharding=sharding.named(mesh, specs(stage >= 2)),
         batch_sharding=NamedSharding(mesh, sharding.logical_to_spec(("batch", None), rules)),
         abstract_state=abstract_state,
+        plan=plan,
     )
 
 
@@ -210,7 +265,8 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         )
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
-        state, data_index = ckpt.restore(latest, exp.abstract_state)
+        state, data_index = ckpt.restore(latest, exp.checkpointed(exp.abstract_state))
+        state = exp.from_checkpointed(state)
         say(f"resumed from {ckpt.directory / str(latest)}")
     else:
         state, data_index = exp.init_state(), 0
@@ -224,6 +280,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         f"({mesh.size} {jax.devices()[0].platform} devices), ZeRO-{config.zero_stage}, "
         f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
     )
+    say(exp.plan.table())
     peak = peak_tflops(t.peak_tflops)
     if peak is None:
         say(
@@ -268,7 +325,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         if due(step + 1):
             pending = (step + 1, metrics)
         if ckpt and ckpt.should_save(step + 1, t.steps):
-            ckpt.save(step + 1, state, data_index + step + 1 - start)
+            ckpt.save(step + 1, exp.checkpointed(state), data_index + step + 1 - start)
     if pending:
         log(*pending)
     if ckpt:

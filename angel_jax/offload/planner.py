@@ -1,0 +1,147 @@
+"""ZeRO-Cache placement planner: which memory tier holds each model state.
+
+States, per device (after ZeRO and tensor sharding):
+  compute params  (model dtype, for forward/backward; the fp32 masters when not offloaded)
+  master params   (float32)
+  grads           (float32)
+  optimizer state (AdamW: mu + nu, float32)
+  activations     (an estimate from the remat policy; always on the device)
+Each state lives in exactly one tier. Policies:
+  none       everything on the device (the fp32 masters are also the compute params);
+  optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
+             params on the device;
+  auto       `none` if it fits the device budget, else `optimizer`.
+A plan that fits nowhere is refused before anything is allocated.
+"""
+
+import dataclasses
+import math
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from angel_jax.config import ConfigError
+
+DEVICE, HOST = "device", "pinned_host"
+POLICIES = ("none", "optimizer", "auto")
+# Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
+USABLE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    policy: str  # The policy in force (auto resolved).
+    placement: dict[str, str]  # State -> tier.
+    state_bytes: dict[str, int]  # State -> bytes per device.
+    budget: dict[str, int]  # Tier -> bytes per device.
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.placement["optimizer state"] == HOST
+
+    def tier_bytes(self, tier: str) -> int:
+        return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
+
+    def table(self) -> str:
+        gib = lambda b: f"{b / 2**30:8.2f}"
+        lines = [f"ZeRO-Cache plan (policy {self.policy}), GiB per device:"]
+        lines.append(f"  {'state':<16} {'tier':<12} {'GiB':>8}")
+        for state, nbytes in self.state_bytes.items():
+            lines.append(f"  {state:<16} {self.placement[state]:<12} {gib(nbytes)}")
+        for tier in (DEVICE, HOST):
+            used, budget = self.tier_bytes(tier), self.budget[tier]
+            lines.append(f"  {'total ' + tier:<29} {gib(used)} of {gib(budget).strip()} budget")
+        return "\n".join(lines)
+
+
+def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
+    """Bytes per device for each tier: configured, else measured."""
+    o = config.offload
+    if o.device_gib > 0:
+        device = int(o.device_gib * 2**30)
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
+    host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
+    local_devices = max(1, mesh.size // jax.process_count())
+    return {DEVICE: device, HOST: host // local_devices}
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _local_bytes(abstract_tree, dtype=None) -> int:
+    total = 0
+    for x in jax.tree.leaves(abstract_tree):
+        shape = x.sharding.shard_shape(x.shape)
+        total += math.prod(shape) * np.dtype(dtype or x.dtype).itemsize
+    return total
+
+
+def activation_bytes(config: ml_collections.ConfigDict, mesh) -> int:
+    """Rough per-device bytes of saved activations, logits and their gradient.
+
+    Per layer and token, in units of d_model compute-dtype values: about 34 with nothing
+    recomputed (Korthikanti et al. 2022, flash attention), ~10 saving only weight-matmul outputs,
+    2 with full remat (the layer input only).
+    """
+    m, t = config.model, config.train
+    tokens = t.batch_size // t.microbatches * t.seq_len / mesh.shape["data"]
+    per_layer = {"none": 34, "dots": 14, "dots_no_batch": 10, "full": 2}[m.remat]
+    itemsize = np.dtype(m.dtype).itemsize
+    layers = m.num_layers * per_layer * tokens * m.d_model * itemsize / mesh.shape["tensor"]
+    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"]  # fp32 logits and grad.
+    return int(layers + logits)
+
+
+def make_plan(config: ml_collections.ConfigDict, mesh, abstract_params, opt_abstract) -> Plan:
+    """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit."""
+    policy = config.offload.policy
+    if policy not in POLICIES:
+        raise ConfigError(f"config.offload.policy={policy!r}: use one of {', '.join(POLICIES)}")
+    budget = measured_budget(config, mesh)
+    compute_dtype = np.dtype(config.model.dtype)
+
+    def sizes(offload: bool) -> dict[str, int]:
+        master = _local_bytes(abstract_params)
+        return {
+            "compute params": _local_bytes(abstract_params, compute_dtype) if offload else 0,
+            "master params": master,
+            "grads": _local_bytes(abstract_params),  # float32 grads in the ZeRO grad layout.
+            "optimizer state": _local_bytes(opt_abstract),
+            "activations": activation_bytes(config, mesh),
+        }
+
+    def placed(offload: bool) -> Plan:
+        host_states = ("master params", "optimizer state") if offload else ()
+        state_bytes = sizes(offload)
+        placement = {s: HOST if s in host_states else DEVICE for s in state_bytes}
+        return Plan("optimizer" if offload else "none", placement, state_bytes, budget)
+
+    if policy == "auto":
+        candidates = [placed(False), placed(True)]
+    else:
+        candidates = [placed(policy == "optimizer")]
+    for plan in candidates:
+        if all(plan.tier_bytes(t) <= USABLE * plan.budget[t] for t in (DEVICE, HOST)):
+            return plan
+    plan = candidates[-1]
+    need = ", ".join(
+        f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
+        for t in (DEVICE, HOST)
+    )
+    raise ConfigError(
+        f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
+        "use more devices, ZeRO-3 (config.zero_stage=3), a smaller model or batch, more remat "
+        "(config.model.remat), or config.offload.policy=optimizer"
+    )

@@ -1,0 +1,116 @@
+"""ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
+
+import jax
+import numpy as np
+import pytest
+
+from angel_jax.checkpoint import Checkpointer
+from angel_jax.config import ConfigError, load_config
+from angel_jax.data import make_batches
+from angel_jax.mesh import make_mesh
+from angel_jax.offload.planner import DEVICE, HOST
+from angel_jax.train import build
+from tests.test_train_parity import small_config
+
+
+def train(config, steps=3):
+    exp = build(config, make_mesh(config.mesh))
+    state = exp.init_state()
+    batches = make_batches(config)
+    losses = []
+    for i in range(steps):
+        state, metrics = exp.train_step(state, exp.global_batch(batches[i]))
+        losses.append(float(metrics["loss"]))
+    return exp, state, losses
+
+
+@pytest.mark.parametrize(
+    "mesh", [dict(zero_stage=1, mesh__data=8), dict(zero_stage=3, mesh__data=4, mesh__tensor=2)]
+)
+def test_optimizer_offload_equals_on_device(mesh):
+    _, ref_state, ref_losses = train(small_config(**mesh))
+    exp, state, losses = train(small_config(offload__policy="optimizer", **mesh))
+    assert exp.plan.offloads_optimizer
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    assert kinds(state.params) == {HOST}
+    assert kinds([x for x in jax.tree.leaves(state.opt_state) if x.ndim]) == {HOST}
+    assert kinds(state.compute_params) == {DEVICE}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert losses[-1] < losses[0]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        jax.device_get(state.params),
+        jax.device_get(ref_state.params),
+    )
+    # The device copy is the masters in the compute dtype.
+    jax.tree.map(
+        lambda c, p: np.testing.assert_array_equal(c, p.astype(c.dtype)),
+        jax.device_get(state.compute_params),
+        jax.device_get(state.params),
+    )
+
+
+def test_offloaded_state_checkpoints_and_resumes(tmp_path):
+    config = small_config(offload__policy="optimizer", zero_stage=3, mesh__data=8)
+    exp, state, _ = train(config, steps=2)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
+    ckpt.save(2, exp.checkpointed(state), 2)
+    ckpt.close()
+    restored, index = Checkpointer(str(tmp_path), 1, 1).restore(
+        2, exp.checkpointed(exp.abstract_state)
+    )
+    restored = exp.from_checkpointed(restored)
+    assert index == 2
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, b),
+        jax.device_get(restored),
+        jax.device_get(state),
+    )
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.params)} == {HOST}
+    # Training continues identically from the restored state.
+    batch = exp.global_batch(make_batches(config)[2])
+    _, m1 = exp.train_step(restored, batch)
+    _, m2 = exp.train_step(state, batch)
+    assert float(m1["loss"]) == float(m2["loss"])
+
+
+def llama_1b(*overrides):
+    return load_config(
+        "configs/llama_1b.py", ["--config.mesh.data=8", "--config.zero_stage=1", *overrides]
+    )
+
+
+def test_planner_auto_offloads_only_when_the_device_is_too_small():
+    # llama_1b: 4.4 GB of fp32 masters and 8.8 GB of Adam state (ZeRO-1 shards the latter 8x).
+    fits = build(
+        llama_1b("--config.offload.policy=auto", "--config.offload.device_gib=40"),
+        make_mesh(llama_1b().mesh),
+    )
+    assert fits.plan.policy == "none"
+    small = llama_1b(
+        "--config.offload.policy=auto",
+        "--config.offload.device_gib=12",
+        "--config.offload.host_gib=64",
+    )
+    exp = build(small, make_mesh(small.mesh))
+    assert exp.plan.policy == "optimizer"
+    table = exp.plan.table()
+    assert "master params    pinned_host" in table and "grads            device" in table
+    on_device = exp.plan.tier_bytes(DEVICE)
+    assert on_device <= 0.9 * 12 * 2**30 < fits.plan.tier_bytes(DEVICE)
+    # The compute copy is bf16: half the bytes of the fp32 masters.
+    assert 2 * exp.plan.state_bytes["compute params"] == exp.plan.state_bytes["master params"]
+
+
+def test_planner_refuses_what_fits_nowhere_before_allocating():
+    config = llama_1b(
+        "--config.offload.policy=auto",
+        "--config.offload.device_gib=2",
+        "--config.offload.host_gib=8",
+    )
+    with pytest.raises(
+        ConfigError, match=r"do not fit \(device .* GiB of 1\.8 usable, pinned_host"
+    ):
+        build(config, make_mesh(config.mesh))
+    with pytest.raises(ConfigError, match="config.offload.policy='bogus'"):
+        build(llama_1b("--config.offload.policy=bogus"), make_mesh(config.mesh))
