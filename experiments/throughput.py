@@ -48,9 +48,10 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     exp = build(config, make_mesh(config.mesh))
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
+    warmup_losses = []  # Same data every run: lets variants be checked against each other.
     for _ in range(warmup):
         state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
-    jax.block_until_ready(metrics)
+        warmup_losses.append(float(metrics["loss"]))
     start = time.perf_counter()
     for _ in range(steps):
         state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
@@ -64,6 +65,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
         loss=loss,
+        warmup_losses=warmup_losses,
+        plan=exp.plan.policy,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,

@@ -81,25 +81,40 @@ def llama_1b(*overrides):
 
 
 def test_planner_auto_offloads_only_when_the_device_is_too_small():
-    # llama_1b: 4.4 GB of fp32 masters and 8.8 GB of Adam state (ZeRO-1 shards the latter 8x).
-    fits = build(
-        llama_1b("--config.offload.policy=auto", "--config.offload.device_gib=40"),
-        make_mesh(llama_1b().mesh),
+    # llama_1b, ZeRO-1 over 8: 4.1 GiB of fp32 masters and grads per device, Adam state sharded
+    # to 1 GiB; no remat and 4 sequences per device make ~27 GiB of activations, which the
+    # update's transient (masters + Adam state moved to the device) fits into.
+    big_activations = ("--config.model.remat=none", "--config.train.batch_size=32")
+    fits = llama_1b(
+        "--config.offload.policy=auto", "--config.offload.device_gib=60", *big_activations
     )
+    fits = build(fits, make_mesh(fits.mesh))
     assert fits.plan.policy == "none"
     small = llama_1b(
         "--config.offload.policy=auto",
-        "--config.offload.device_gib=12",
+        "--config.offload.device_gib=38",
         "--config.offload.host_gib=64",
+        *big_activations,
     )
     exp = build(small, make_mesh(small.mesh))
     assert exp.plan.policy == "optimizer"
     table = exp.plan.table()
     assert "master params    pinned_host" in table and "grads            device" in table
     on_device = exp.plan.tier_bytes(DEVICE)
-    assert on_device <= 0.9 * 12 * 2**30 < fits.plan.tier_bytes(DEVICE)
+    assert on_device <= 0.9 * 38 * 2**30 < fits.plan.tier_bytes(DEVICE)
     # The compute copy is bf16: half the bytes of the fp32 masters.
     assert 2 * exp.plan.state_bytes["compute params"] == exp.plan.state_bytes["master params"]
+    # Where activations are small, moving the states in for the update costs more than it saves.
+    lean = llama_1b(
+        "--config.offload.policy=optimizer",
+        "--config.offload.device_gib=60",
+        "--config.offload.host_gib=64",
+    )
+    lean = build(lean, make_mesh(lean.mesh)).plan
+    b = lean.state_bytes
+    update_peak = b["compute params"] + b["grads"] + b["master params"] + b["optimizer state"]
+    assert update_peak > b["compute params"] + b["grads"] + b["activations"]
+    assert lean.tier_bytes(DEVICE) == update_peak
 
 
 def test_planner_refuses_what_fits_nowhere_before_allocating():

@@ -9,7 +9,8 @@ States, per device (after ZeRO and tensor sharding):
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
-             params on the device;
+             params on the device; the update still moves all of them to the device at once, so
+             this saves device memory only where the activations are larger than those states;
   auto       `none` if it fits the device budget, else `optimizer`.
 A plan that fits nowhere is refused before anything is allocated.
 """
@@ -42,7 +43,14 @@ class Plan:
         return self.placement["optimizer state"] == HOST
 
     def tier_bytes(self, tier: str) -> int:
-        return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
+        """Peak bytes per device in `tier`."""
+        resident = sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
+        if tier == DEVICE and self.offloads_optimizer:
+            # The update brings masters and optimizer state to the device all at once (not yet
+            # streamed in chunks); the activations are free by then.
+            moved = self.state_bytes["master params"] + self.state_bytes["optimizer state"]
+            resident = max(resident, resident - self.state_bytes["activations"] + moved)
+        return resident
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f}"
@@ -140,8 +148,9 @@ def make_plan(config: ml_collections.ConfigDict, mesh, abstract_params, opt_abst
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
         for t in (DEVICE, HOST)
     )
+    also = ", or config.offload.policy=auto" if policy == "none" else ""
     raise ConfigError(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
-        "use more devices, ZeRO-3 (config.zero_stage=3), a smaller model or batch, more remat "
-        "(config.model.remat), or config.offload.policy=optimizer"
+        "use more devices, ZeRO-3 (config.zero_stage=3), a smaller model or batch, or more "
+        f"remat (config.model.remat){also}"
     )

@@ -1,0 +1,87 @@
+"""ZeRO-Cache offload on one GPU: step time, memory and losses per policy, in one job.
+
+    python experiments/offload_throughput.py [--out experiments/results/offload_throughput.json]
+
+Every run checks that the offloaded policy gives the same losses as `none` on the same data
+(XLA has had wrong-gradient bugs in offloaded programs on GPU), and reports the peak device
+memory each policy needs.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+from throughput import ROOT, machine, run
+
+VARIANTS = [
+    ("llama_1b none", "llama_1b", ["--config.offload.policy=none"]),
+    ("llama_1b optimizer", "llama_1b", ["--config.offload.policy=optimizer"]),
+    # fp32 masters + Adam state are 96 GB: on the device alone they leave no room to train.
+    (
+        "llama3_8b optimizer, batch 1 x 8192",
+        "llama3_8b",
+        [
+            "--config.offload.policy=optimizer",
+            "--config.train.batch_size=1",
+            "--config.zero_stage=1",
+        ],
+    ),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
+    args = p.parse_args()
+    results = []
+    for name, config, overrides in VARIANTS:
+        cmd = [
+            sys.executable,
+            str(ROOT / "experiments/throughput.py"),
+            "--config",
+            str(ROOT / "configs" / f"{config}.py"),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--child",
+            *overrides,
+        ]
+        results.append({**run(cmd, ROOT), "system": name, "overrides": overrides})
+        print(json.dumps(results[-1]), flush=True)
+
+    ref = {r["system"].split()[0]: r for r in results if r["system"].endswith(" none")}
+    print(f"\n{'variant':<40} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  losses")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['system']:<40} failed: {r.get('error')}")
+            continue
+        base = ref.get(r["system"].split()[0])
+        same = (
+            ""
+            if base is None or base is r
+            else (
+                " (= none)"
+                if r["warmup_losses"] == base["warmup_losses"]
+                else " (DIFFERS from none)"
+            )
+        )
+        losses = ", ".join(f"{x:.4f}" for x in r["warmup_losses"])
+        print(
+            f"{r['system']:<40} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} "
+            f"{r['mfu']:>6.3f} {r['peak_gib']:>9.1f}  {losses}{same}"
+        )
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
