@@ -19,9 +19,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--workdir", required=True, help="metrics, TensorBoard logs, checkpoints")
     args, overrides = parser.parse_known_args(argv)

@@ -148,9 +148,11 @@ def make_plan(config: ml_collections.ConfigDict, mesh, abstract_params, opt_abst
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
         for t in (DEVICE, HOST)
     )
-    also = ", or config.offload.policy=auto" if policy == "none" else ""
+    fixes = ["more devices", "ZeRO-3 (config.zero_stage=3)", "a smaller model or batch"]
+    fixes += ["more remat (config.model.remat)"]
+    if policy == "none":
+        fixes += ["config.offload.policy=auto"]
     raise ConfigError(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
-        "use more devices, ZeRO-3 (config.zero_stage=3), a smaller model or batch, or more "
-        f"remat (config.model.remat){also}"
+        f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
     )
