@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -25,7 +24,8 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.offload.planner import HOST, Plan, make_plan
-from angel_jax.optim import learning_rate_schedule, make_optimizer
+from angel_jax.offload.stream import streamed_update
+from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
 
 
 @flax.struct.dataclass
@@ -54,12 +54,13 @@ class Experiment:
     rules: sharding.Rules
     model_config: LlamaConfig
     model: Llama
-    optimizer: optax.GradientTransformation
+    optimizer: Optimizer
     state_sharding: TrainState  # Of NamedShardings.
     grad_sharding: Any
     batch_sharding: NamedSharding
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
     plan: Plan
+    stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
@@ -125,24 +126,26 @@ class Experiment:
         return jax.tree.map(lambda m: m * scale, metrics), jax.tree.map(lambda g: g * scale, grads)
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
-        masters, opt_state = state.params, state.opt_state
-        if self.plan.offloads_optimizer:
+        if not self.plan.offloads_optimizer:
+            metrics, grads = self.loss_and_grads(state.params, batch_BT1)
+            params, opt_state, norm = self.optimizer.update(grads, state.opt_state, state.params)
+            compute = None
+        else:
             # The device copy gives the same grads as the masters would: the model casts them
             # to the compute dtype either way, and grads come back as float32.
-            params = jax.tree.map(lambda p: p.astype(jnp.float32), state.compute_params)
-            metrics, grads = self.loss_and_grads(params, batch_BT1)
-            masters = jax.device_put(masters, self._on_device(self.state_sharding.params))
-            opt_state = jax.device_put(opt_state, self._on_device(self.state_sharding.opt_state))
-        else:
-            metrics, grads = self.loss_and_grads(masters, batch_BT1)
-        updates, opt_state = self.optimizer.update(grads, opt_state, masters)
-        masters = optax.apply_updates(masters, updates)
-        metrics.update(
-            grad_norm=optax.tree.norm(grads),
-            lr=learning_rate_schedule(self.config.train)(state.step),
-        )
+            as_f32 = jax.tree.map(lambda p: p.astype(jnp.float32), state.compute_params)
+            metrics, grads = self.loss_and_grads(as_f32, batch_BT1)
+            params, opt_state, compute, norm = streamed_update(
+                self.optimizer,
+                grads,
+                state.opt_state,
+                state.params,
+                self.stacked,
+                jnp.dtype(self.config.model.dtype),
+            )
+        metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.
-        return self._with_compute_params(TrainState(state.step + 1, masters, opt_state)), metrics
+        return TrainState(state.step + 1, params, opt_state, compute), metrics
 
     @functools.cached_property
     def train_step(self):
@@ -188,21 +191,24 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
 
     stage = config.zero_stage
     specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
-    opt_specs = optax.tree_map_params(
-        optimizer,
-        lambda _, spec: spec,
-        abstract_opt,
+    # Each parameter's moments take its (ZeRO) layout; its step counts are replicated.
+    opt_specs = jax.tree.map(
+        lambda spec, p, leaf_state: jax.tree.map(
+            lambda x: spec if x.ndim == len(p.shape) else P(), leaf_state
+        ),
         specs(stage >= 1),
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
+        abstract_params,
+        abstract_opt,
     )
     param_sharding = sharding.named(mesh, specs(stage >= 3))
     opt_sharding = sharding.named(mesh, opt_specs)
+    stacked = jax.tree.map(lambda names: tuple(names[:1]) == ("layers",), logical)
     plan = make_plan(
         config,
         mesh,
         _with_shardings(abstract_params, param_sharding),
         _with_shardings(abstract_opt, opt_sharding),
+        stacked,
     )
     compute_sharding = abstract_compute = None
     if plan.offloads_optimizer:
@@ -232,6 +238,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         batch_sharding=NamedSharding(mesh, sharding.logical_to_spec(("batch", None), rules)),
         abstract_state=abstract_state,
         plan=plan,
+        stacked=stacked,
     )
 
 

@@ -67,6 +67,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         loss=loss,
         warmup_losses=warmup_losses,
         plan=exp.plan.policy,
+        planned_device_gib=exp.plan.tier_bytes("device") / 2**30,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,

@@ -9,8 +9,8 @@ States, per device (after ZeRO and tensor sharding):
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
-             params on the device; the update still moves all of them to the device at once, so
-             this saves device memory only where the activations are larger than those states;
+             params on the device; the update streams them through the device one chunk (a
+             layer's slice of one weight) at a time;
   auto       `none` if it fits the device budget, else `optimizer`.
 A plan that fits nowhere is refused before anything is allocated.
 """
@@ -43,14 +43,8 @@ class Plan:
         return self.placement["optimizer state"] == HOST
 
     def tier_bytes(self, tier: str) -> int:
-        """Peak bytes per device in `tier`."""
-        resident = sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
-        if tier == DEVICE and self.offloads_optimizer:
-            # The update brings masters and optimizer state to the device all at once (not yet
-            # streamed in chunks); the activations are free by then.
-            moved = self.state_bytes["master params"] + self.state_bytes["optimizer state"]
-            resident = max(resident, resident - self.state_bytes["activations"] + moved)
-        return resident
+        """Bytes per device in `tier` (the streamed update's chunks count as states)."""
+        return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f}"
@@ -112,7 +106,20 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> int:
     return int(layers + logits)
 
 
-def make_plan(config: ml_collections.ConfigDict, mesh, abstract_params, opt_abstract) -> Plan:
+def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
+    """Bytes of the largest chunk the streamed update moves: one weight (or one layer's slice
+    of a stacked weight) with its optimizer state."""
+
+    def chunk(p, leaf_state, is_stacked):
+        nbytes = _local_bytes(p) + _local_bytes(leaf_state)
+        return nbytes // p.shape[0] if is_stacked else nbytes
+
+    return max(jax.tree.leaves(jax.tree.map(chunk, abstract_params, opt_abstract, stacked)))
+
+
+def make_plan(
+    config: ml_collections.ConfigDict, mesh, abstract_params, opt_abstract, stacked
+) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit."""
     policy = config.offload.policy
     if policy not in POLICIES:
@@ -122,11 +129,15 @@ def make_plan(config: ml_collections.ConfigDict, mesh, abstract_params, opt_abst
 
     def sizes(offload: bool) -> dict[str, int]:
         master = _local_bytes(abstract_params)
+        chunks = 0
+        if offload:  # In flight: a chunk arriving, one updating, one leaving.
+            chunks = 3 * _largest_chunk(abstract_params, opt_abstract, stacked)
         return {
             "compute params": _local_bytes(abstract_params, compute_dtype) if offload else 0,
             "master params": master,
             "grads": _local_bytes(abstract_params),  # float32 grads in the ZeRO grad layout.
             "optimizer state": _local_bytes(opt_abstract),
+            "update chunks": chunks,
             "activations": activation_bytes(config, mesh),
         }
 
