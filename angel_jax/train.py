@@ -24,7 +24,7 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.offload.planner import HOST, Plan, make_plan
-from angel_jax.offload.stream import streamed_update
+from angel_jax.offload.stream import streamed_update, unstack, unstack_like
 from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
 
 
@@ -72,7 +72,11 @@ class Experiment:
     def _init(self, rng) -> TrainState:
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
         params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
-        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        opt_state = self.optimizer.init(params)
+        if self.plan.offloads_optimizer:  # Host layout: one array per layer (stream.py).
+            opt_state = unstack_like(opt_state, self.stacked, params)
+            params = unstack(params, self.stacked)
+        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
         return self._with_compute_params(state)
 
     def _with_compute_params(self, state: TrainState) -> TrainState:
@@ -80,11 +84,23 @@ class Experiment:
             return state
         dtype = jnp.dtype(self.config.model.dtype)
         masters = jax.device_put(state.params, self._on_device(self.state_sharding.params))
-        return state.replace(compute_params=jax.tree.map(lambda p: p.astype(dtype), masters))
+        compute = jax.tree.map(
+            lambda is_stacked, m: (jnp.stack(m) if is_stacked else m).astype(dtype),
+            self.stacked,
+            masters,
+        )
+        return state.replace(compute_params=compute)
 
     @staticmethod
     def _on_device(shardings):
         return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+    def params_numpy(self, state: TrainState):
+        """The fp32 master params as numpy arrays in the model's layout, whatever the policy."""
+        params = jax.device_get(state.params)
+        if not self.plan.offloads_optimizer:
+            return params
+        return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
 
     def checkpointed(self, state: TrainState) -> TrainState:
         """The part of `state` that checkpoints hold (the derived compute copy left out)."""
@@ -176,6 +192,27 @@ def _with_shardings(abstract, shardings):
     )
 
 
+def _host_layout(abstract_params, abstract_opt, param_sharding, stacked):
+    """Shapes and pinned-host shardings of masters and optimizer state in the streamed update's
+    layout: stacked weights split into one array per layer, each sharded like a layer slice."""
+    host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
+    host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
+
+    def shardings(sharding, p, is_stacked, host_p, host_s):
+        spec = P(*sharding.spec[1:]) if is_stacked else sharding.spec
+        inner = NamedSharding(sharding.mesh, spec, memory_kind=HOST)
+        ndim = len(p.shape) - is_stacked
+        replicated = NamedSharding(sharding.mesh, P(), memory_kind=HOST)
+        return (
+            jax.tree.map(lambda _: inner, host_p),
+            jax.tree.map(lambda x: inner if x.ndim == ndim else replicated, host_s),
+        )
+
+    both = jax.tree.map(shardings, param_sharding, abstract_params, stacked, host_params, host_opt)
+    first = lambda i: jax.tree.map(lambda _, o: o[i], param_sharding, both)
+    return host_params, host_opt, first(0), first(1)
+
+
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
     rules = sharding.axis_rules(config, mesh)
@@ -217,8 +254,9 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_compute = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )
-        to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(HOST), tree)
-        param_sharding, opt_sharding = to_host(param_sharding), to_host(opt_sharding)
+        abstract_params, abstract_opt, param_sharding, opt_sharding = _host_layout(
+            abstract_params, abstract_opt, param_sharding, stacked
+        )
     state_sharding = TrainState(
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
     )

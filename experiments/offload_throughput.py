@@ -61,15 +61,11 @@ def main() -> int:
             print(f"{r['system']:<40} failed: {r.get('error')}")
             continue
         base = ref.get(r["system"].split()[0])
-        same = (
-            ""
-            if base is None or base is r
-            else (
-                " (= none)"
-                if r["warmup_losses"] == base["warmup_losses"]
-                else " (DIFFERS from none)"
-            )
-        )
+        same = ""
+        if base is not None and base is not r:
+            pairs = zip(r["warmup_losses"], base["warmup_losses"], strict=True)
+            diff = max(abs(a - b) / abs(b) for a, b in pairs)
+            same = f" (vs none: max rel. diff {diff:.1e}{'' if diff < 1e-3 else ', TOO LARGE'})"
         losses = ", ".join(f"{x:.4f}" for x in r["warmup_losses"])
         print(
             f"{r['system']:<40} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} "

@@ -39,14 +39,14 @@ def test_optimizer_offload_equals_on_device(mesh):
     assert losses[-1] < losses[0]
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-        jax.device_get(state.params),
+        exp.params_numpy(state),
         jax.device_get(ref_state.params),
     )
     # The device copy is the masters in the compute dtype.
     jax.tree.map(
         lambda c, p: np.testing.assert_array_equal(c, p.astype(c.dtype)),
         jax.device_get(state.compute_params),
-        jax.device_get(state.params),
+        exp.params_numpy(state),
     )
 
 
