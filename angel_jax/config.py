@@ -76,6 +76,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.policy = "none"  # none | optimizer (master params + optimizer state on host) | auto.
     c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
     c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
+    c.offload.chunks_in_flight = 2  # Optimizer-state chunks on the device at once in the update.
     return c
 
 
@@ -174,6 +175,10 @@ def head_dim(model: ml_collections.ConfigDict) -> int:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
+    if config.offload.chunks_in_flight < 1:
+        raise ConfigError(
+            f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
+        )
     m, t = config.model, config.train
     for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
         if m[name] <= 0:

@@ -158,6 +158,7 @@ class Experiment:
                 state.params,
                 self.stacked,
                 jnp.dtype(self.config.model.dtype),
+                self.config.offload.chunks_in_flight,
             )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.

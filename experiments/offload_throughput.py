@@ -17,6 +17,11 @@ from throughput import ROOT, machine, run
 VARIANTS = [
     ("llama_1b none", "llama_1b", ["--config.offload.policy=none"]),
     ("llama_1b optimizer", "llama_1b", ["--config.offload.policy=optimizer"]),
+    (
+        "llama_1b optimizer, 8 chunks in flight",
+        "llama_1b",
+        ["--config.offload.policy=optimizer", "--config.offload.chunks_in_flight=8"],
+    ),
     # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
     (
         "llama3_8b optimizer, 8 x 8192 in 8 microbatches",

@@ -130,8 +130,9 @@ def make_plan(
     def sizes(offload: bool) -> dict[str, int]:
         master = _local_bytes(abstract_params)
         chunks = 0
-        if offload:  # In flight: a chunk arriving, one updating, one leaving.
-            chunks = 3 * _largest_chunk(abstract_params, opt_abstract, stacked)
+        if offload:  # In flight: the chunks allowed, and one more leaving.
+            in_flight = config.offload.chunks_in_flight + 1
+            chunks = in_flight * _largest_chunk(abstract_params, opt_abstract, stacked)
         return {
             "compute params": _local_bytes(abstract_params, compute_dtype) if offload else 0,
             "master params": master,

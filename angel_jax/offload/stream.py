@@ -7,6 +7,7 @@ with another's update. The device holds a few chunks at a time instead of the wh
 """
 
 import jax
+import jax.numpy as jnp
 
 from angel_jax.optim import Optimizer
 
@@ -35,30 +36,67 @@ def _to(space, tree):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def streamed_update(optimizer: Optimizer, grads, state, masters, stacked, compute_dtype):
+def streamed_update(
+    optimizer: Optimizer, grads, state, masters, stacked, compute_dtype, in_flight: int = 2
+):
     """Updates host-resident, unstacked `masters` and `state` with device-resident `grads`.
 
+    At most `in_flight` chunks are on the device at once: chunk k's copy to the device waits
+    (an optimization barrier) until chunk k - in_flight is updated, else XLA's scheduler would
+    start every copy early and hold the whole state on the device.
     Returns (masters, state) as host-memory values of the same layout, the new masters stacked
     in `compute_dtype` on the device, and the global grad norm.
     """
     grads, norm = optimizer.clip(grads)
+    # Flatten to chunks: (path, grad, state, master) with stacked weights split per layer.
+    treedef = jax.tree.structure(grads)
+    chunks, shapes = [], []
+    for (path, grad), leaf_state, master, is_stacked in zip(
+        jax.tree_util.tree_leaves_with_path(grads),
+        treedef.flatten_up_to(state),
+        treedef.flatten_up_to(masters),
+        treedef.flatten_up_to(stacked),
+        strict=True,
+    ):
+        if is_stacked:
+            chunks += [(path, grad[i], leaf_state[i], master[i]) for i in range(len(master))]
+            shapes.append(len(master))
+        else:
+            chunks.append((path, grad, leaf_state, master))
+            shapes.append(None)
 
-    def chunk(path, grad, chunk_state, master):
+    done = []  # Per chunk: (new master on host, new state on host, new compute copy).
+    for k, (path, grad, chunk_state, master) in enumerate(chunks):
+        if k >= in_flight:
+            chunk_state, master, _ = jax.lax.optimization_barrier(
+                (chunk_state, master, done[k - in_flight][2])
+            )
         new_master, new_state = optimizer.update_leaf(
             path, grad, _to(Space.Device, chunk_state), jax.device_put(master, Space.Device)
         )
-        out = (jax.device_put(new_master, Space.Host), _to(Space.Host, new_state))
-        return out, new_master.astype(compute_dtype)
+        done.append(
+            (
+                jax.device_put(new_master, Space.Host),
+                _to(Space.Host, new_state),
+                new_master.astype(compute_dtype),
+            )
+        )
 
-    def one(path, grad, leaf_state, master, is_stacked):
-        if not is_stacked:
-            (new_master, new_state), compute = chunk(path, grad, leaf_state, master)
-            return new_master, new_state, compute
-        layers = [chunk(path, grad[i], leaf_state[i], master[i]) for i in range(len(master))]
-        new_master = tuple(m for (m, _), _ in layers)
-        new_state = tuple(s for (_, s), _ in layers)
-        return new_master, new_state, jax.numpy.stack([c for _, c in layers])
-
-    out = jax.tree_util.tree_map_with_path(one, grads, state, masters, stacked)
-    part = lambda i: jax.tree.map(lambda _, o: o[i], grads, out)
+    # Regroup the chunks into the trees' layouts.
+    outs, k = [], 0
+    for layers in shapes:
+        if layers is None:
+            outs.append(done[k])
+            k += 1
+        else:
+            group = done[k : k + layers]
+            k += layers
+            outs.append(
+                (
+                    tuple(m for m, _, _ in group),
+                    tuple(s for _, s, _ in group),
+                    jnp.stack([c for _, _, c in group]),
+                )
+            )
+    part = lambda i: treedef.unflatten([o[i] for o in outs])
     return part(0), part(1), part(2), norm
