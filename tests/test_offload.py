@@ -88,7 +88,7 @@ def test_planner_auto_offloads_only_when_the_device_is_too_small():
     table = exp.plan.table()
     assert "master params    pinned_host" in table and "grads            device" in table
     on_device = exp.plan.tier_bytes(DEVICE)
-    assert on_device <= 0.9 * 32 * 2**30 < fits.plan.tier_bytes(DEVICE)
+    assert on_device <= 0.95 * 32 * 2**30 < fits.plan.tier_bytes(DEVICE)
     b = exp.plan.state_bytes
     # The compute copy is bf16: half the bytes of the fp32 masters.
     assert 2 * b["compute params"] == b["master params"]
@@ -104,7 +104,7 @@ def test_planner_refuses_what_fits_nowhere_before_allocating():
         "--config.offload.host_gib=8",
     )
     with pytest.raises(
-        ConfigError, match=r"do not fit \(device .* GiB of 7\.2 usable, pinned_host"
+        ConfigError, match=r"do not fit \(device .* GiB of 7\.6 usable, pinned_host"
     ):
         build(config, mesh)
     with pytest.raises(ConfigError, match="config.offload.policy='bogus'"):

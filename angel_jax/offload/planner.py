@@ -28,7 +28,7 @@ from angel_jax.config import ConfigError
 DEVICE, HOST = "device", "pinned_host"
 POLICIES = ("none", "optimizer", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
-USABLE = 0.9
+USABLE = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,8 @@ def make_plan(
         return {
             "compute params": _local_bytes(abstract_params, compute_dtype) if offload else 0,
             "master params": master,
-            "grads": _local_bytes(abstract_params),  # float32 grads in the ZeRO grad layout.
+            # float32 grads in the ZeRO grad layout; accumulation holds a second set.
+            "grads": _local_bytes(abstract_params) * (2 if config.train.microbatches > 1 else 1),
             "optimizer state": _local_bytes(opt_abstract),
             "update chunks": chunks,
             "activations": activation_bytes(config, mesh),
