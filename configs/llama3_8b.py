@@ -2,8 +2,9 @@
 
     python -m angel_jax.launch --config configs/llama3_8b.py --workdir /tmp/angel-8b
 
-Sized for two or more H200s with ZeRO-3 (fp32 master params + Adam state are 16 bytes per
-parameter, 128 GB for 8B); one GPU needs the ZeRO-Cache offload of a later issue.
+Sized for two or more H200s with ZeRO-3 (fp32 master params + Adam state are 12 bytes per
+parameter, 96 GB for 8B, before grads); one H200 trains it with those states in host memory:
+--config.offload.policy=optimizer --config.zero_stage=1 --config.train.microbatches=8.
 """
 
 from angel_jax.config import default_config

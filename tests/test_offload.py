@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from angel_jax import sharding
 from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
@@ -109,3 +110,18 @@ def test_planner_refuses_what_fits_nowhere_before_allocating():
         build(config, mesh)
     with pytest.raises(ConfigError, match="config.offload.policy='bogus'"):
         build(*llama_1b("--config.offload.policy=bogus"))
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_update_bounds_chunks_in_flight(in_flight):
+    """Each chunk after the first `in_flight` waits behind a barrier on an earlier chunk."""
+    config = small_config(offload__policy="optimizer", offload__chunks_in_flight=in_flight)
+    config.mesh.data = 8
+    exp = build(config, make_mesh(config.mesh))
+    state = exp.init_state()
+    batch = exp.global_batch(make_batches(config)[0])
+    with sharding.use_rules(exp.mesh, exp.rules):
+        text = jax.jit(exp._train_step).lower(state, batch).as_text()
+    # small_config: 2 layers x 9 stacked weights + embedding, final norm and LM head.
+    chunks = 2 * 9 + 3
+    assert text.count("optimization_barrier") == chunks - in_flight
