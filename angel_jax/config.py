@@ -38,7 +38,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
-    c.model.remat = "none"  # none | full | dots | dots_no_batch (see layers.remat_policy).
+    # none | full | dots | dots_no_batch | offload_dots (models/llama.py REMAT_POLICIES).
+    c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
     c.model.sequence_parallel = False  # Megatron-style: norm regions sharded over `tensor`.
     c.model.scan_layers = True
@@ -201,8 +202,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
-    if m.remat not in ("none", "full", "dots", "dots_no_batch"):
-        raise ConfigError(f"config.model.remat={m.remat!r}: use none, full, dots or dots_no_batch")
+    remats = ("none", "full", "dots", "dots_no_batch", "offload_dots")
+    if m.remat not in remats:
+        raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")
     if m.attention not in ("auto", "cudnn", "xla"):
         raise ConfigError(f"config.model.attention={m.attention!r}: use auto, cudnn or xla")
     if m.dtype not in ("bfloat16", "float32", "float16"):

@@ -7,6 +7,7 @@ row-parallel, so tensor parallel needs one reduction per attention block.
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import sharding
 from angel_jax.layers.linear import Linear
@@ -40,6 +41,7 @@ class Attention(nn.Module):
         q_BTNH = Linear((n, h), ("embed", "heads", "head_dim"), self.dtype, name="query")(x_BTD)
         k_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="key")(x_BTD)
         v_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="value")(x_BTD)
+        q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
         positions = jnp.arange(x_BTD.shape[1])
         q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
         k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
@@ -56,7 +58,9 @@ class Attention(nn.Module):
         o_BTNH = jax.nn.dot_product_attention(
             q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=self.implementation
         )
-        o_BTNH = constrain(o_BTNH, ("batch", "length", "heads", "head_dim"))
+        o_BTNH = checkpoint_name(
+            constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
+        )
         return Linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), self.dtype, name="out")(
             o_BTNH
         )

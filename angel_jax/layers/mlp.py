@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax.layers.linear import Linear
 from angel_jax.sharding import constrain
@@ -17,5 +18,6 @@ class SwiGLU(nn.Module):
         d_model = x.shape[-1]
         gate = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="gate")(x)
         up = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="up")(x)
+        gate, up = checkpoint_name((gate, up), "mlp_in")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return Linear((d_model,), ("mlp", "embed"), self.dtype, name="down")(h)

@@ -11,10 +11,20 @@ from angel_jax.config import head_dim
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
 from angel_jax.sharding import constrain
 
+# Activations the layers name (checkpoint_name) so remat policies can save or offload them.
+OFFLOADABLE = ("qkv", "attn_out", "mlp_in")
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
+    "offload_dots": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(OFFLOADABLE),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 

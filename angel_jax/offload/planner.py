@@ -5,7 +5,8 @@ States, per device (after ZeRO and tensor sharding):
   master params   (float32)
   grads           (float32)
   optimizer state (AdamW: mu + nu, float32)
-  activations     (an estimate from the remat policy; always on the device)
+  activations     (an estimate from the remat policy; on the device, or offloaded to pinned
+                   host memory by the `offload_dots` remat policy)
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
@@ -90,20 +91,29 @@ def _local_bytes(abstract_tree, dtype=None) -> int:
     return total
 
 
-def activation_bytes(config: ml_collections.ConfigDict, mesh) -> int:
-    """Rough per-device bytes of saved activations, logits and their gradient.
+# Saved activations per layer and token, in d_model compute-dtype values, (device, host): about
+# 34 with nothing recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight
+# matmuls' outputs, 2 for the layer input that remat always keeps.
+_SAVED_PER_LAYER = {
+    "none": (34, 0),
+    "dots": (14, 0),
+    "dots_no_batch": (10, 0),
+    "full": (2, 0),
+    "offload_dots": (2, 10),
+}
 
-    Per layer and token, in units of d_model compute-dtype values: about 34 with nothing
-    recomputed (Korthikanti et al. 2022, flash attention), ~10 saving only weight-matmul outputs,
-    2 with full remat (the layer input only).
-    """
+
+def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
+    """Rough per-device bytes of saved activations (device, host); the device part includes
+    the float32 logits and their gradient."""
     m, t = config.model, config.train
     tokens = t.batch_size // t.microbatches * t.seq_len / mesh.shape["data"]
-    per_layer = {"none": 34, "dots": 14, "dots_no_batch": 10, "full": 2}[m.remat]
-    itemsize = np.dtype(m.dtype).itemsize
-    layers = m.num_layers * per_layer * tokens * m.d_model * itemsize / mesh.shape["tensor"]
-    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"]  # fp32 logits and grad.
-    return int(layers + logits)
+    unit = (  # One compute-dtype value per d_model channel, layer and token.
+        m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape["tensor"]
+    )
+    on_device, on_host = _SAVED_PER_LAYER[m.remat]
+    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"]
+    return int(on_device * unit + logits), int(on_host * unit)
 
 
 def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
@@ -140,11 +150,13 @@ def make_plan(
             "grads": _local_bytes(abstract_params) * (2 if config.train.microbatches > 1 else 1),
             "optimizer state": _local_bytes(opt_abstract),
             "update chunks": chunks,
-            "activations": activation_bytes(config, mesh),
+            "activations": activation_bytes(config, mesh)[0],
+            "offloaded activations": activation_bytes(config, mesh)[1],
         }
 
     def placed(offload: bool) -> Plan:
-        host_states = ("master params", "optimizer state") if offload else ()
+        host_states = ("offloaded activations",)
+        host_states += ("master params", "optimizer state") if offload else ()
         state_bytes = sizes(offload)
         placement = {s: HOST if s in host_states else DEVICE for s in state_bytes}
         return Plan("optimizer" if offload else "none", placement, state_bytes, budget)
