@@ -50,6 +50,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 128
     c.train.microbatches = 1  # Gradient accumulation: batch_size is split into this many.
     c.train.log_every_steps = 10
+    c.train.optimizer = "adamw"  # adamw | adafactor (factored second moments, no momentum).
     c.train.lr = 3e-4
     c.train.warmup_steps = 10
     c.train.min_lr_ratio = 0.1  # Cosine decays to lr * min_lr_ratio at the last step.
@@ -202,6 +203,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
+    if t.optimizer not in ("adamw", "adafactor"):
+        raise ConfigError(f"config.train.optimizer={t.optimizer!r}: use adamw or adafactor")
     remats = ("none", "full", "dots", "dots_no_batch", "offload_dots")
     if m.remat not in remats:
         raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")

@@ -72,7 +72,7 @@ class Experiment:
     def _init(self, rng) -> TrainState:
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
         params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
-        opt_state = self.optimizer.init(params)
+        opt_state = self.optimizer.init(params, self.stacked)
         if self.plan.offloads_optimizer:  # Host layout: one array per layer (stream.py).
             opt_state = unstack_like(opt_state, self.stacked, params)
             params = unstack(params, self.stacked)
@@ -144,7 +144,9 @@ class Experiment:
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
         if not self.plan.offloads_optimizer:
             metrics, grads = self.loss_and_grads(state.params, batch_BT1)
-            params, opt_state, norm = self.optimizer.update(grads, state.opt_state, state.params)
+            params, opt_state, norm = self.optimizer.update(
+                grads, state.opt_state, state.params, self.stacked
+            )
             compute = None
         else:
             # The device copy gives the same grads as the masters would: the model casts them
@@ -202,11 +204,11 @@ def _host_layout(abstract_params, abstract_opt, param_sharding, stacked):
     def shardings(sharding, p, is_stacked, host_p, host_s):
         spec = P(*sharding.spec[1:]) if is_stacked else sharding.spec
         inner = NamedSharding(sharding.mesh, spec, memory_kind=HOST)
-        ndim = len(p.shape) - is_stacked
+        shape = tuple(p.shape[1:] if is_stacked else p.shape)
         replicated = NamedSharding(sharding.mesh, P(), memory_kind=HOST)
         return (
             jax.tree.map(lambda _: inner, host_p),
-            jax.tree.map(lambda x: inner if x.ndim == ndim else replicated, host_s),
+            jax.tree.map(lambda x: inner if x.shape == shape else replicated, host_s),
         )
 
     both = jax.tree.map(shardings, param_sharding, abstract_params, stacked, host_params, host_opt)
@@ -225,14 +227,16 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     logical = sharding.logical_axes(boxed)
     abstract_params = nn.meta.unbox(boxed)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    stacked = jax.tree.map(lambda names: tuple(names[:1]) == ("layers",), logical)
+    abstract_opt = jax.eval_shape(lambda p: optimizer.init(p, stacked), abstract_params)
 
     stage = config.zero_stage
     specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
-    # Each parameter's moments take its (ZeRO) layout; its step counts are replicated.
+    # State shaped like its parameter (moments) takes its (ZeRO) layout; the rest (step
+    # counts, factored moments) is small and replicated.
     opt_specs = jax.tree.map(
         lambda spec, p, leaf_state: jax.tree.map(
-            lambda x: spec if x.ndim == len(p.shape) else P(), leaf_state
+            lambda x: spec if x.shape == p.shape else P(), leaf_state
         ),
         specs(stage >= 1),
         abstract_params,
@@ -240,7 +244,6 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     )
     param_sharding = sharding.named(mesh, specs(stage >= 3))
     opt_sharding = sharding.named(mesh, opt_specs)
-    stacked = jax.tree.map(lambda names: tuple(names[:1]) == ("layers",), logical)
     plan = make_plan(
         config,
         mesh,

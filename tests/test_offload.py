@@ -26,7 +26,12 @@ def train(config, steps=3):
 
 
 @pytest.mark.parametrize(
-    "mesh", [dict(zero_stage=1, mesh__data=8), dict(zero_stage=3, mesh__data=4, mesh__tensor=2)]
+    "mesh",
+    [
+        dict(zero_stage=1, mesh__data=8),
+        dict(zero_stage=3, mesh__data=4, mesh__tensor=2),
+        dict(zero_stage=3, mesh__data=8, train__optimizer="adafactor"),
+    ],
 )
 def test_optimizer_offload_equals_on_device(mesh):
     _, ref_state, ref_losses = train(small_config(**mesh))
@@ -152,3 +157,20 @@ def test_offloaded_activations_give_the_same_grads():
     )
     # q, k, v, the attention output, gate and up: six host residuals per layer.
     assert jaxpr_off.count("<host>") >= 6 and "<host>" not in jaxpr_dots
+
+
+def test_bytes_per_parameter_of_adamw_and_adafactor():
+    """Model-state density: fp32 masters 4 + fp32 grads 4 + AdamW 8 bytes per parameter;
+    Adafactor's factored moments are well under 1% of AdamW's; offload adds the bf16 copy."""
+
+    def plan(*overrides):
+        return build(*llama_1b("--config.offload.device_gib=1000", *overrides)).plan
+
+    adamw, adafactor = plan(), plan("--config.train.optimizer=adafactor")
+    assert adamw.bytes_per_param() == pytest.approx(16.0, rel=1e-4)
+    assert adafactor.bytes_per_param() == pytest.approx(8.0, rel=1e-2)
+    assert adafactor.state_bytes["optimizer state"] < 0.01 * adamw.state_bytes["optimizer state"]
+    offloaded = plan("--config.offload.policy=optimizer")
+    chunks = offloaded.state_bytes["update chunks"] / offloaded.num_params
+    assert offloaded.bytes_per_param() == pytest.approx(18.0 + chunks, rel=1e-4)
+    assert "bytes per parameter" in offloaded.table()

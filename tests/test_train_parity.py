@@ -51,11 +51,12 @@ def run_steps(config, devices, steps=3):
 def reference():
     cache = {}
 
-    def get(microbatches=1):
-        if microbatches not in cache:
-            c = small_config(microbatches=microbatches, mesh__data=1)
-            cache[microbatches] = run_steps(c, jax.devices()[:1])
-        return cache[microbatches]
+    def get(microbatches=1, optimizer="adamw"):
+        key = (microbatches, optimizer)
+        if key not in cache:
+            c = small_config(microbatches=microbatches, mesh__data=1, train__optimizer=optimizer)
+            cache[key] = run_steps(c, jax.devices()[:1])
+        return cache[key]
 
     return get
 
@@ -71,6 +72,9 @@ CASES = {
     ),
     "tensor8_kv_replicated": dict(mesh__data=1, mesh__tensor=8),  # 4 KV heads < 8 ranks.
     "data4_tensor2_microbatch4": dict(microbatches=4, zero_stage=2, mesh__data=4, mesh__tensor=2),
+    "data4_tensor2_zero3_adafactor": dict(
+        zero_stage=3, mesh__data=4, mesh__tensor=2, train__optimizer="adafactor"
+    ),
 }
 
 
@@ -78,7 +82,9 @@ CASES = {
 def test_sharded_equals_single_device(case, reference):
     kwargs = dict(CASES[case])
     config = small_config(**kwargs)
-    ref_init, ref_grads, ref_losses, ref_final = reference(config.train.microbatches)
+    ref_init, ref_grads, ref_losses, ref_final = reference(
+        config.train.microbatches, config.train.optimizer
+    )
     init, grads, losses, final = run_steps(config, jax.devices())
     # Initialisation does not depend on the layout (threefry_partitionable).
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), init, ref_init)

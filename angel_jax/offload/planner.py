@@ -38,6 +38,8 @@ class Plan:
     placement: dict[str, str]  # State -> tier.
     state_bytes: dict[str, int]  # State -> bytes per device.
     budget: dict[str, int]  # Tier -> bytes per device.
+    num_params: int
+    num_devices: int
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -46,6 +48,12 @@ class Plan:
     def tier_bytes(self, tier: str) -> int:
         """Bytes per device in `tier` (the streamed update's chunks count as states)."""
         return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
+
+    def bytes_per_param(self) -> float:
+        """Device + host memory of the model states (not activations), over all devices, per
+        trained parameter: AngelPTM's density measure (17.3 for ZeRO-Cache)."""
+        states = sum(b for s, b in self.state_bytes.items() if "activations" not in s)
+        return states * self.num_devices / self.num_params
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f}"
@@ -56,6 +64,7 @@ class Plan:
         for tier in (DEVICE, HOST):
             used, budget = self.tier_bytes(tier), self.budget[tier]
             lines.append(f"  {'total ' + tier:<29} {gib(used)} of {gib(budget).strip()} budget")
+        lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         return "\n".join(lines)
 
 
@@ -135,6 +144,7 @@ def make_plan(
     if policy not in POLICIES:
         raise ConfigError(f"config.offload.policy={policy!r}: use one of {', '.join(POLICIES)}")
     budget = measured_budget(config, mesh)
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract_params))
     compute_dtype = np.dtype(config.model.dtype)
 
     def sizes(offload: bool) -> dict[str, int]:
@@ -159,7 +169,8 @@ def make_plan(
         host_states += ("master params", "optimizer state") if offload else ()
         state_bytes = sizes(offload)
         placement = {s: HOST if s in host_states else DEVICE for s in state_bytes}
-        return Plan("optimizer" if offload else "none", placement, state_bytes, budget)
+        policy = "optimizer" if offload else "none"
+        return Plan(policy, placement, state_bytes, budget, num_params, mesh.size)
 
     if policy == "auto":
         candidates = [placed(False), placed(True)]

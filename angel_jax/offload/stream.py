@@ -26,8 +26,8 @@ def unstack_like(tree, stacked, like):
     def split(param, sub, is_stacked):
         if not is_stacked:
             return sub
-        layer = lambda i: jax.tree.map(lambda x: x[i] if x.ndim else x, sub)  # Counts stay.
-        return tuple(layer(i) for i in range(param.shape[0]))
+        # Stacked weights' states are vmapped over layers: every leaf has the layer axis.
+        return tuple(jax.tree.map(lambda x, i=i: x[i], sub) for i in range(param.shape[0]))
 
     return jax.tree.map(split, like, tree, stacked)
 

@@ -1,8 +1,9 @@
-"""AdamW with warmup + cosine decay and global-norm clipping, applied parameter by parameter.
+"""AdamW or Adafactor with warmup + cosine decay and global-norm clipping, per parameter.
 
 The optimizer state is a tree shaped like the params whose leaves are each parameter's own optax
-state. That lets each state be placed, sharded and streamed (ZeRO-Cache) with its parameter, and
-a stacked layer weight be updated one layer slice at a time.
+state. That lets each state be placed, sharded and streamed (ZeRO-Cache) with its parameter.
+A weight stacked over layers is optimized as one parameter per layer (vmapped over the layer
+axis): the same as an unstacked model, and what lets ZeRO-Cache update it a layer at a time.
 """
 
 import dataclasses
@@ -37,8 +38,14 @@ class Optimizer:
     def _tx(self, path) -> optax.GradientTransformation:
         return self.decayed if _decays(path) else self.undecayed
 
-    def init(self, params):
-        return jax.tree_util.tree_map_with_path(lambda path, p: self._tx(path).init(p), params)
+    def init(self, params, stacked):
+        """`stacked`: a tree like the params of bools, true for weights stacked over layers."""
+
+        def one(path, p, is_stacked):
+            init = self._tx(path).init
+            return jax.vmap(init)(p) if is_stacked else init(p)
+
+        return jax.tree_util.tree_map_with_path(one, params, stacked)
 
     def clip(self, grads):
         """(grads scaled to the global norm limit, the global norm before clipping)."""
@@ -48,30 +55,45 @@ class Optimizer:
         scale = self.grad_clip / jnp.maximum(norm, self.grad_clip)  # As optax clips.
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), norm
 
-    def update_leaf(self, path, grad, state, param):
-        """(new param, new state) of one parameter, or of any slice of one."""
-        updates, state = self._tx(path).update(grad, state, param)
-        return optax.apply_updates(param, updates), state
+    def update_leaf(self, path, grad, state, param, is_stacked=False):
+        """(new param, new state) of one parameter (all layers of it if `is_stacked`)."""
 
-    def update(self, grads, state, params):
+        def one(grad, state, param):
+            updates, state = self._tx(path).update(grad, state, param)
+            return optax.apply_updates(param, updates), state
+
+        return jax.vmap(one)(grad, state, param) if is_stacked else one(grad, state, param)
+
+    def update(self, grads, state, params, stacked):
         """(new params, new state, global grad norm) for params and state on the device."""
         grads, norm = self.clip(grads)
         # `grads` has the params' structure, a prefix of the state's: each leaf call gets one
         # parameter's whole optax state.
-        out = jax.tree_util.tree_map_with_path(self.update_leaf, grads, state, params)
+        out = jax.tree_util.tree_map_with_path(self.update_leaf, grads, state, params, stacked)
         new_params = jax.tree.map(lambda _, o: o[0], grads, out)
         new_state = jax.tree.map(lambda _, o: o[1], grads, out)
         return new_params, new_state, norm
 
 
 def make_optimizer(train: ml_collections.ConfigDict) -> Optimizer:
-    def adamw(weight_decay):
-        return optax.adamw(
-            learning_rate_schedule(train),
-            b1=train.b1,
-            b2=train.b2,
-            eps=train.eps,
-            weight_decay=weight_decay,
-        )
+    schedule = learning_rate_schedule(train)
+    if train.optimizer == "adafactor":
+        # Factored second moments, no first moment: about 4 bytes per parameter row + column
+        # instead of AdamW's 8 per parameter. Updates are not scaled by the parameter's RMS, so
+        # config.train.lr means what it means for AdamW; decay is decoupled, lr x weight_decay.
+        def tx(weight_decay):
+            return optax.adafactor(
+                schedule,
+                # Attention kernels (d, heads, head_dim) factor over d and head_dim (>= 32).
+                min_dim_size_to_factor=32,
+                multiply_by_parameter_scale=False,
+                momentum=None,
+                weight_decay_rate=train.lr * weight_decay or None,
+            )
 
-    return Optimizer(adamw(train.weight_decay), adamw(0.0), train.grad_clip)
+    else:
+
+        def tx(weight_decay):
+            return optax.adamw(schedule, train.b1, train.b2, train.eps, weight_decay=weight_decay)
+
+    return Optimizer(tx(train.weight_decay), tx(0.0), train.grad_clip)
