@@ -38,19 +38,35 @@ class Checkpointer:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.every_steps > 0 and (step % self.every_steps == 0 or step == last_step)
 
-    def save(self, step: int, state, data_index: int) -> None:
+    def save(self, step: int, state, data_index: int, offload_policy: str = "none") -> None:
+        """`offload_policy` names the state's layout: offloaded optimizer state is stored per
+        layer (offload/stream.py), so it restores only under the same policy."""
+        meta = {"next_batch_index": data_index, "offload_policy": offload_policy}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave({"next_batch_index": data_index}),
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(meta)
             ),
         )
 
-    def restore(self, step: int, abstract_state):
+    def restore(self, step: int, abstract_state, offload_policy: str = "none"):
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
         previous_hook = sys.unraisablehook
         sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
+        try:
+            meta = self.manager.restore(
+                step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
+            ).data
+        except Exception as e:
+            raise self._unreadable(step, e) from None
+        saved_policy = meta.get("offload_policy", "none")
+        if saved_policy != offload_policy:
+            sys.unraisablehook = previous_hook
+            raise ConfigError(
+                f"checkpoint {self.directory / str(step)} holds state laid out for "
+                f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
+                f"resume with --config.offload.policy={saved_policy} (and a budget it fits)"
+            )
         try:
             restored = self.manager.restore(
                 step,
@@ -60,14 +76,17 @@ class Checkpointer:
             )
         except Exception as e:  # Orbax raises many types for damaged files.
             # The filter stays: reads still in flight fail after this, until the process exits.
-            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise ConfigError(
-                f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
-                "directory to resume from the one before, or pass a new --workdir (also if the "
-                "model config changed since it was saved)"
-            ) from None
+            raise self._unreadable(step, e) from None
         sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
+
+    def _unreadable(self, step: int, error: Exception) -> ConfigError:
+        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        return ConfigError(
+            f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
+            "directory to resume from the one before, or pass a new --workdir (also if the "
+            "model config changed since it was saved)"
+        )
 
     def close(self) -> None:
         self.manager.wait_until_finished()

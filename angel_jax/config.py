@@ -93,10 +93,19 @@ def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
     if spec is None:
         raise ConfigError(f"--config {path}: not a Python file; pass a .py file from configs/")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"--config {path}: the file defines no get_config()")
-    config = module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"--config {path}: the file defines no get_config()")
+        config = module.get_config()
+    except ConfigError:
+        raise
+    except Exception as e:  # A user's file: report any failure in one line.
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise ConfigError(
+            f"--config {path}: loading it failed{where}: {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]}"
+        ) from None
     config.lock()
     apply_overrides(config, overrides)
     return config
@@ -195,6 +204,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.model.d_model={m.d_model} is not divisible by num_heads={m.num_heads}; "
             "change one of them or set config.model.head_dim"
         )
+    if m.head_dim % 2 or (not m.head_dim and (m.d_model // m.num_heads) % 2):
+        raise ConfigError(
+            f"config.model.head_dim={head_dim(m)} is odd; rotary embeddings rotate pairs of "
+            "channels, so set config.model.head_dim (or d_model / num_heads) to an even number"
+        )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"config.model.num_heads={m.num_heads} is not divisible by "
@@ -203,6 +217,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
+    if config.seed < 0:
+        raise ConfigError(f"config.seed={config.seed}: must be >= 0")
+    if t.lr < 0 or t.warmup_steps < 0:
+        raise ConfigError(
+            f"config.train.lr={t.lr}, warmup_steps={t.warmup_steps}: neither may be negative"
+        )
     if t.optimizer not in ("adamw", "adafactor"):
         raise ConfigError(f"config.train.optimizer={t.optimizer!r}: use adamw or adafactor")
     remats = ("none", "full", "dots", "dots_no_batch", "offload_dots")

@@ -120,8 +120,9 @@ def logical_axes(boxed_tree) -> dict:
     return nn.get_partition_spec(boxed_tree)
 
 
-def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Adds the `data` axis to the largest free dimension it divides (ZeRO sharding).
+def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, keep: tuple[int, ...] = ()) -> P:
+    """Adds the `data` axis to the largest free dimension it divides (ZeRO sharding), never to
+    the dimensions in `keep`.
 
     A state too small to split stays replicated over `data`; that costs little, and every
     large weight matrix has a dimension divisible by any sensible data-parallel size.
@@ -130,7 +131,7 @@ def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if dp == 1:
         return P(*entries)
-    free = [d for d, e in enumerate(entries) if e is None and shape[d] % dp == 0]
+    free = [d for d, e in enumerate(entries) if e is None and shape[d] % dp == 0 and d not in keep]
     if not free:
         return P(*entries)
     best = max(free, key=lambda d: shape[d])
@@ -143,7 +144,9 @@ def state_specs(logical_tree, abstract_tree, mesh: Mesh, rules: Rules, zero: boo
 
     def one(names: P, abstract):
         spec = logical_to_spec(tuple(names), rules)
-        return zero_spec(spec, abstract.shape, mesh) if zero else spec
+        # The layer axis stays whole: scans and the streamed update slice it per layer.
+        layer_dims = tuple(d for d, n in enumerate(names) if n == "layers")
+        return zero_spec(spec, abstract.shape, mesh, layer_dims) if zero else spec
 
     return jax.tree.map(one, logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, P))
 

@@ -85,7 +85,9 @@ class Experiment:
         dtype = jnp.dtype(self.config.model.dtype)
         masters = jax.device_put(state.params, self._on_device(self.state_sharding.params))
         compute = jax.tree.map(
-            lambda is_stacked, m: (jnp.stack(m) if is_stacked else m).astype(dtype),
+            lambda is_stacked, m: (
+                jnp.stack([x.astype(dtype) for x in m]) if is_stacked else m.astype(dtype)
+            ),
             self.stacked,
             masters,
         )
@@ -108,8 +110,13 @@ class Experiment:
 
     def from_checkpointed(self, state: TrainState) -> TrainState:
         """Re-derives what `checkpointed` left out."""
-        derive = jax.jit(self._with_compute_params, out_shardings=self.state_sharding)
-        return derive(state)
+        if not self.plan.offloads_optimizer:
+            return state
+        derive = jax.jit(
+            lambda params: self._with_compute_params(TrainState(None, params, None)).compute_params,
+            out_shardings=self.state_sharding.compute_params,
+        )
+        return state.replace(compute_params=derive(state.params))
 
     def loss(self, params, tokens_BT1: jax.Array):
         logits = self.model.apply({"params": params}, tokens_BT1[:, :-1])
@@ -195,25 +202,24 @@ def _with_shardings(abstract, shardings):
     )
 
 
-def _host_layout(abstract_params, abstract_opt, param_sharding, stacked):
+def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked):
     """Shapes and pinned-host shardings of masters and optimizer state in the streamed update's
-    layout: stacked weights split into one array per layer, each sharded like a layer slice."""
+    layout: stacked weights split into one array per layer, each sharded like a layer slice of
+    its (ZeRO) layout."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 
-    def shardings(sharding, p, is_stacked, host_p, host_s):
-        spec = P(*sharding.spec[1:]) if is_stacked else sharding.spec
-        inner = NamedSharding(sharding.mesh, spec, memory_kind=HOST)
-        shape = tuple(p.shape[1:] if is_stacked else p.shape)
-        replicated = NamedSharding(sharding.mesh, P(), memory_kind=HOST)
-        return (
-            jax.tree.map(lambda _: inner, host_p),
-            jax.tree.map(lambda x: inner if x.shape == shape else replicated, host_s),
-        )
+    def on_host(is_stacked, p, shardings):
+        def one(s):
+            spec = P(*s.spec[1:]) if is_stacked else s.spec
+            return NamedSharding(s.mesh, spec, memory_kind=HOST)
 
-    both = jax.tree.map(shardings, param_sharding, abstract_params, stacked, host_params, host_opt)
-    first = lambda i: jax.tree.map(lambda _, o: o[i], param_sharding, both)
-    return host_params, host_opt, first(0), first(1)
+        layer = jax.tree.map(one, shardings)
+        return tuple(layer for _ in range(p.shape[0])) if is_stacked else layer
+
+    masters = jax.tree.map(on_host, stacked, abstract_params, master_sharding)
+    opt = jax.tree.map(on_host, stacked, abstract_params, opt_sharding)
+    return host_params, host_opt, masters, opt
 
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
@@ -243,13 +249,18 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_opt,
     )
     param_sharding = sharding.named(mesh, specs(stage >= 3))
+    grad_sharding = sharding.named(mesh, specs(stage >= 2))
+    # Offloaded masters are updated where their optimizer state is: in its ZeRO layout.
+    offloaded_master_sharding = sharding.named(mesh, specs(stage >= 1))
     opt_sharding = sharding.named(mesh, opt_specs)
     plan = make_plan(
         config,
         mesh,
-        _with_shardings(abstract_params, param_sharding),
-        _with_shardings(abstract_opt, opt_sharding),
-        stacked,
+        params=_with_shardings(abstract_params, param_sharding),
+        grads=_with_shardings(abstract_params, grad_sharding),
+        offloaded_masters=_with_shardings(abstract_params, offloaded_master_sharding),
+        opt=_with_shardings(abstract_opt, opt_sharding),
+        stacked=stacked,
     )
     compute_sharding = abstract_compute = None
     if plan.offloads_optimizer:
@@ -259,7 +270,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )
         abstract_params, abstract_opt, param_sharding, opt_sharding = _host_layout(
-            abstract_params, abstract_opt, param_sharding, stacked
+            abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked
         )
     state_sharding = TrainState(
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
@@ -276,7 +287,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         model=model,
         optimizer=optimizer,
         state_sharding=state_sharding,
-        grad_sharding=sharding.named(mesh, specs(stage >= 2)),
+        grad_sharding=grad_sharding,
         batch_sharding=NamedSharding(mesh, sharding.logical_to_spec(("batch", None), rules)),
         abstract_state=abstract_state,
         plan=plan,
@@ -314,7 +325,9 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         )
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
-        state, data_index = ckpt.restore(latest, exp.checkpointed(exp.abstract_state))
+        state, data_index = ckpt.restore(
+            latest, exp.checkpointed(exp.abstract_state), exp.plan.policy
+        )
         state = exp.from_checkpointed(state)
         say(f"resumed from {ckpt.directory / str(latest)}")
     else:
@@ -374,7 +387,12 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         if due(step + 1):
             pending = (step + 1, metrics)
         if ckpt and ckpt.should_save(step + 1, t.steps):
-            ckpt.save(step + 1, exp.checkpointed(state), data_index + step + 1 - start)
+            ckpt.save(
+                step + 1,
+                exp.checkpointed(state),
+                data_index + step + 1 - start,
+                exp.plan.policy,
+            )
     if pending:
         log(*pending)
     if ckpt:

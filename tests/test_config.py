@@ -192,6 +192,15 @@ def test_validate_accepts_defaults():
     "args, names",
     [
         (["--config.train.microbatches=0"], ["config.train.microbatches=0", "positive"]),
+        (["--config.model.head_dim=7"], ["config.model.head_dim=7", "even"]),
+        (["--config.seed=-1"], ["config.seed=-1", ">= 0"]),
+        (["--config.train.lr=-0.1"], ["config.train.lr=-0.1", "negative"]),
+        (["--config.train.optimizer=sgd"], ["config.train.optimizer='sgd'", "adafactor"]),
+        (["--config.offload.chunks_in_flight=0"], ["chunks_in_flight=0", ">= 1"]),
+        (
+            ["--config.model.remat=offload_all"],
+            ["config.model.remat='offload_all'", "offload_dots"],
+        ),
         (
             ["--config.train.batch_size=12", "--config.train.microbatches=5"],
             ["config.train.batch_size=12", "config.train.microbatches=5"],
@@ -241,3 +250,15 @@ def test_head_dim_allows_d_model_not_divisible_by_heads():
             "--config.model.head_dim=16",
         )
     )
+
+
+def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config(:\n")
+    with pytest.raises(ConfigError, match=r"loading it failed \(line 1\): SyntaxError") as e:
+        load_config(str(bad))
+    assert "\n" not in str(e.value)
+    raising = tmp_path / "raising.py"
+    raising.write_text("def get_config():\n    raise KeyError('x')\n")
+    with pytest.raises(ConfigError, match="loading it failed: KeyError"):
+        load_config(str(raising))

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 
-from angel_jax.config import default_config
+from angel_jax.config import ConfigError, default_config
 from angel_jax.layers import apply_rope
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.train import cross_entropy
@@ -72,3 +73,10 @@ def test_flops_per_token_matches_baseline_convention():
     cfg = LlamaConfig.from_config(c.model, "cpu")
     assert cfg.matmul_params() == 1_034_420_224
     assert cfg.flops_per_token(2048) == 6 * 1_034_420_224 + 6 * 22 * 2048 * 2048
+
+
+def test_cudnn_attention_off_gpu_is_a_config_error():
+    c = default_config()
+    c.model.attention = "cudnn"
+    with pytest.raises(ConfigError, match="attention=cudnn needs a GPU"):
+        LlamaConfig.from_config(c.model, "cpu")

@@ -51,12 +51,12 @@ def run_steps(config, devices, steps=3):
 def reference():
     cache = {}
 
-    def get(microbatches=1, optimizer="adamw"):
-        key = (microbatches, optimizer)
-        if key not in cache:
-            c = small_config(microbatches=microbatches, mesh__data=1, train__optimizer=optimizer)
-            cache[key] = run_steps(c, jax.devices()[:1])
-        return cache[key]
+    def get(optimizer="adamw"):
+        """One device, the whole batch at once (no accumulation), per optimizer."""
+        if optimizer not in cache:
+            c = small_config(mesh__data=1, train__optimizer=optimizer)
+            cache[optimizer] = run_steps(c, jax.devices()[:1])
+        return cache[optimizer]
 
     return get
 
@@ -82,9 +82,7 @@ CASES = {
 def test_sharded_equals_single_device(case, reference):
     kwargs = dict(CASES[case])
     config = small_config(**kwargs)
-    ref_init, ref_grads, ref_losses, ref_final = reference(
-        config.train.microbatches, config.train.optimizer
-    )
+    ref_init, ref_grads, ref_losses, ref_final = reference(config.train.optimizer)
     init, grads, losses, final = run_steps(config, jax.devices())
     # Initialisation does not depend on the layout (threefry_partitionable).
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), init, ref_init)

@@ -20,4 +20,6 @@ class RMSNorm(nn.Module):
         )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+        # The scale is used in the compute dtype, like every weight, so that a compute-dtype
+        # copy of the params (ZeRO-Cache) computes exactly what the float32 masters do.
+        return (x32 * scale.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)

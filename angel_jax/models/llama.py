@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
-from angel_jax.config import head_dim
+from angel_jax.config import ConfigError, head_dim
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
 from angel_jax.sharding import constrain
 
@@ -50,6 +50,11 @@ class LlamaConfig:
         attention = model.attention
         if attention == "auto":
             attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
+        if attention == "cudnn" and (backend != "gpu" or model.dtype == "float32"):
+            raise ConfigError(
+                f"config.model.attention=cudnn needs a GPU and a 16-bit config.model.dtype "
+                f"(here {backend}, {model.dtype}); use attention=auto or xla"
+            )
         return cls(
             num_layers=model.num_layers,
             d_model=model.d_model,

@@ -137,31 +137,36 @@ def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
 
 
 def make_plan(
-    config: ml_collections.ConfigDict, mesh, abstract_params, opt_abstract, stacked
+    config: ml_collections.ConfigDict, mesh, *, params, grads, offloaded_masters, opt, stacked
 ) -> Plan:
-    """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit."""
+    """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
+
+    `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
+    (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked.
+    """
     policy = config.offload.policy
     if policy not in POLICIES:
         raise ConfigError(f"config.offload.policy={policy!r}: use one of {', '.join(POLICIES)}")
     budget = measured_budget(config, mesh)
-    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract_params))
     compute_dtype = np.dtype(config.model.dtype)
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+    on_device, on_host = activation_bytes(config, mesh)
+    accumulating = config.train.microbatches > 1
 
     def sizes(offload: bool) -> dict[str, int]:
-        master = _local_bytes(abstract_params)
         chunks = 0
         if offload:  # In flight: the chunks allowed, and one more leaving.
             in_flight = config.offload.chunks_in_flight + 1
-            chunks = in_flight * _largest_chunk(abstract_params, opt_abstract, stacked)
+            chunks = in_flight * _largest_chunk(offloaded_masters, opt, stacked)
         return {
-            "compute params": _local_bytes(abstract_params, compute_dtype) if offload else 0,
-            "master params": master,
-            # float32 grads in the ZeRO grad layout; accumulation holds a second set.
-            "grads": _local_bytes(abstract_params) * (2 if config.train.microbatches > 1 else 1),
-            "optimizer state": _local_bytes(opt_abstract),
+            "compute params": _local_bytes(params, compute_dtype) if offload else 0,
+            "master params": _local_bytes(offloaded_masters if offload else params),
+            # float32, in the ZeRO grad layout; accumulation holds a second set.
+            "grads": _local_bytes(grads) * (2 if accumulating else 1),
+            "optimizer state": _local_bytes(opt),
             "update chunks": chunks,
-            "activations": activation_bytes(config, mesh)[0],
-            "offloaded activations": activation_bytes(config, mesh)[1],
+            "activations": on_device,
+            "offloaded activations": on_host,
         }
 
     def placed(offload: bool) -> Plan:
@@ -169,8 +174,8 @@ def make_plan(
         host_states += ("master params", "optimizer state") if offload else ()
         state_bytes = sizes(offload)
         placement = {s: HOST if s in host_states else DEVICE for s in state_bytes}
-        policy = "optimizer" if offload else "none"
-        return Plan(policy, placement, state_bytes, budget, num_params, mesh.size)
+        name = "optimizer" if offload else "none"
+        return Plan(name, placement, state_bytes, budget, num_params, mesh.size)
 
     if policy == "auto":
         candidates = [placed(False), placed(True)]
@@ -184,7 +189,10 @@ def make_plan(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
         for t in (DEVICE, HOST)
     )
-    fixes = ["more devices", "ZeRO-3 (config.zero_stage=3)", "a smaller model or batch"]
+    fixes = ["more devices"]
+    if config.zero_stage < 3:
+        fixes += ["ZeRO-3 (config.zero_stage=3)"]
+    fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
     fixes += ["more remat (config.model.remat)"]
     if policy == "none":
         fixes += ["config.offload.policy=auto"]

@@ -80,15 +80,16 @@ def make_optimizer(train: ml_collections.ConfigDict) -> Optimizer:
     if train.optimizer == "adafactor":
         # Factored second moments, no first moment: about 4 bytes per parameter row + column
         # instead of AdamW's 8 per parameter. Updates are not scaled by the parameter's RMS, so
-        # config.train.lr means what it means for AdamW; decay is decoupled, lr x weight_decay.
+        # config.train.lr and weight_decay mean what they mean for AdamW.
         def tx(weight_decay):
-            return optax.adafactor(
-                schedule,
-                # Attention kernels (d, heads, head_dim) factor over d and head_dim (>= 32).
-                min_dim_size_to_factor=32,
-                multiply_by_parameter_scale=False,
-                momentum=None,
-                weight_decay_rate=train.lr * weight_decay or None,
+            # optax.adafactor's parts, with decay before the learning rate as in AdamW (optax's
+            # own adds it after, at a fixed rate). Attention kernels (d, heads, head_dim)
+            # factor over d and head_dim (>= 32).
+            return optax.chain(
+                optax.scale_by_factored_rms(min_dim_size_to_factor=32),
+                optax.clip_by_block_rms(1.0),
+                optax.add_decayed_weights(weight_decay),
+                optax.scale_by_learning_rate(schedule),
             )
 
     else:
