@@ -1,0 +1,168 @@
+"""Capacity: the largest Llama-shaped model each ZeRO-Cache policy trains on this machine.
+
+    python experiments/capacity.py [--d 5120 --ffn 13824 --heads 40 --kv 8] [--out FILE]
+
+For each (optimizer, policy), the planner picks the deepest model at width `--d` whose states
+fit the measured budgets; a child process then trains it for `--steps` steps on random tokens
+and reports whether the loss stayed finite, the peak device memory, and the bytes of
+(device + host) memory per parameter. Each run is its own process, so one failure (an
+out-of-memory the planner did not foresee) is recorded and the next goes on.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+from throughput import ROOT, machine
+
+CASES = [
+    ("adamw", "none"),
+    ("adamw", "optimizer"),
+    ("adafactor", "none"),
+    ("adafactor", "optimizer"),
+]
+
+
+def overrides(a, layers, optimizer, policy) -> list[str]:
+    return [
+        f"--config.model.num_layers={layers}",
+        f"--config.model.d_model={a.d}",
+        f"--config.model.ffn_dim={a.ffn}",
+        f"--config.model.num_heads={a.heads}",
+        f"--config.model.num_kv_heads={a.kv}",
+        f"--config.model.vocab_size={a.vocab}",
+        f"--config.train.batch_size={a.batch}",
+        f"--config.train.seq_len={a.seq}",
+        f"--config.train.optimizer={optimizer}",
+        f"--config.offload.policy={policy}",
+        "--config.model.remat=full",
+        "--config.zero_stage=1",
+        "--config.data.synthetic=true",
+        f"--config.offload.device_gib={a.device_gib}",
+        f"--config.offload.host_gib={a.host_gib}",
+    ]
+
+
+def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
+    """The most layers the planner accepts, and that plan (None if even 1 layer does not fit)."""
+    sys.path.insert(0, str(ROOT))
+    import jax
+
+    from angel_jax.config import ConfigError, load_config
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    def plan(layers):
+        config = load_config(a.config, overrides(a, layers, optimizer, policy))
+        try:
+            return build(config, make_mesh(config.mesh, jax.devices()[:1])).plan
+        except ConfigError:
+            return None
+
+    lo, hi = 0, 1
+    while plan(hi) is not None and hi < 4096:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(mid) is not None else (lo, mid)
+    if lo == 0:
+        return None
+    p = plan(lo)
+    return lo, dict(
+        params=p.num_params,
+        planned_device_gib=p.tier_bytes("device") / 2**30,
+        planned_host_gib=p.tier_bytes("pinned_host") / 2**30,
+        bytes_per_param=p.bytes_per_param(),
+    )
+
+
+def child(a, layers, optimizer, policy) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import jax
+
+    from angel_jax.config import load_config
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    config = load_config(a.config, overrides(a, layers, optimizer, policy))
+    exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    state = exp.init_state()
+    batches = make_batches(config).iterate(0)
+    losses, start = [], time.perf_counter()
+    for _ in range(a.steps):
+        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+        losses.append(float(metrics["loss"]))
+    stats = jax.devices()[0].memory_stats() or {}
+    return dict(
+        losses=losses,
+        finite=all(math.isfinite(x) for x in losses),
+        seconds=time.perf_counter() - start,
+        peak_device_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
+    for name, default in dict(
+        d=5120, ffn=13824, heads=40, kv=8, vocab=32000, batch=1, seq=2048
+    ).items():
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device-gib", type=float, default=0.0, help="budget; 0: measured")
+    p.add_argument("--host-gib", type=float, default=0.0, help="budget; 0: measured")
+    p.add_argument("--only", default="", help="e.g. adamw/optimizer")
+    p.add_argument("--out", default=str(ROOT / "experiments/results/capacity.json"))
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        layers, optimizer, policy = int(a.child[0]), a.child[1], a.child[2]
+        print(json.dumps(child(a, layers, optimizer, policy)), flush=True)
+        return 0
+
+    results = []
+    for optimizer, policy in CASES:
+        if a.only and f"{optimizer}/{policy}" not in a.only.split(","):
+            continue
+        found = deepest(a, optimizer, policy)
+        row = dict(optimizer=optimizer, policy=policy)
+        if found is None:
+            results.append({**row, "error": "no depth fits the budgets"})
+            continue
+        layers, plan = found
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(layers), optimizer, policy]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        error = (proc.stderr.strip() or f"exit code {proc.returncode}").splitlines()[-3:]
+        run = json.loads(lines[-1]) if lines else dict(error=error)
+        results.append({**row, "layers": layers, **plan, **run})
+        print(json.dumps(results[-1]), flush=True)
+
+    header = ("optimizer/policy", "layers", "params", "B/param", "peak GiB")
+    print("\n{:<22} {:>6} {:>9} {:>8} {:>9}  trained".format(*header))
+    for r in results:
+        if "params" not in r:
+            print(f"{r['optimizer'] + '/' + r['policy']:<22} {r.get('error')}")
+            continue
+        ok = "yes" if r.get("finite") else f"no: {r.get('error', 'non-finite loss')}"
+        peak = r.get("peak_device_gib", float("nan"))
+        print(
+            f"{r['optimizer'] + '/' + r['policy']:<22} {r['layers']:>6} {r['params'] / 1e9:>8.2f}B "
+            f"{r['bytes_per_param']:>8.1f} {peak:>9.1f}  {ok}"
+        )
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
