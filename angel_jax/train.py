@@ -64,20 +64,55 @@ class Experiment:
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
-        seed = self.config.seed if seed is None else seed
-        init = jax.jit(self._init, out_shardings=self.state_sharding)
+        rng = jax.random.key(self.config.seed if seed is None else seed)
         with sharding.use_rules(self.mesh, self.rules):
-            return init(jax.random.key(seed))
+            if not self.plan.offloads_optimizer:
+                return jax.jit(self._init, out_shardings=self.state_sharding)(rng)
+            return self._init_offloaded(rng)
+
+    def _init_params(self, rng):
+        tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
+        return nn.meta.unbox(self.model.init(rng, tokens)["params"])
 
     def _init(self, rng) -> TrainState:
-        tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
-        params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
-        opt_state = self.optimizer.init(params, self.stacked)
-        if self.plan.offloads_optimizer:  # Host layout: one array per layer (stream.py).
-            opt_state = unstack_like(opt_state, self.stacked, params)
-            params = unstack(params, self.stacked)
-        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state)
-        return self._with_compute_params(state)
+        params = self._init_params(rng)
+        return TrainState(
+            jnp.zeros((), jnp.int32), params, self.optimizer.init(params, self.stacked)
+        )
+
+    def _init_offloaded(self, rng) -> TrainState:
+        """Builds the host-resident state one weight at a time, so the device never holds more
+        than the fp32 params and one weight's optimizer state (not the whole state at once)."""
+        hosts = self.state_sharding
+        # Same values as `_init` would give; on the device in the offloaded masters' layout.
+        master_layout = jax.tree.map(_stacked_sharding, self.stacked, hosts.params)
+        params = jax.jit(self._init_params, out_shardings=master_layout)(rng)
+        compute_params = jax.jit(
+            lambda p: jax.tree.map(lambda x: x.astype(jnp.dtype(self.config.model.dtype)), p),
+            out_shardings=hosts.compute_params,
+        )(params)
+
+        def to_host(path, param, is_stacked, master_sharding, opt_sharding):
+            state = jax.jit(
+                lambda p: self._host_leaf(path, p, is_stacked), out_shardings=opt_sharding
+            )(param)
+            master = jax.jit(
+                lambda p: tuple(p) if is_stacked else p, out_shardings=master_sharding
+            )(param)
+            param.delete()  # Free the device copy now, not when the whole tree is done.
+            return master, state
+
+        flat = jax.tree_util.tree_map_with_path(
+            to_host, params, self.stacked, hosts.params, hosts.opt_state
+        )
+        part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
+        return TrainState(jnp.zeros((), jnp.int32), part(0), part(1), compute_params)
+
+    def _host_leaf(self, path, param, is_stacked):
+        state = self.optimizer.init_leaf(path, param, is_stacked)
+        if not is_stacked:
+            return state
+        return tuple(jax.tree.map(lambda x, i=i: x[i], state) for i in range(param.shape[0]))
 
     def _with_compute_params(self, state: TrainState) -> TrainState:
         if not self.plan.offloads_optimizer:
@@ -194,6 +229,13 @@ class Experiment:
         """This process's rows of the batch -> one global array laid out for the step."""
         shape = (self.config.train.batch_size, rows.shape[1])
         return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+
+
+def _stacked_sharding(is_stacked, host_shardings):
+    """The device sharding of a whole weight from its (per-layer, pinned-host) shardings."""
+    one = host_shardings[0] if is_stacked else host_shardings
+    spec = P(None, *one.spec) if is_stacked else one.spec
+    return NamedSharding(one.mesh, spec, memory_kind="device")
 
 
 def _with_shardings(abstract, shardings):

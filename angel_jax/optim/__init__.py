@@ -38,14 +38,14 @@ class Optimizer:
     def _tx(self, path) -> optax.GradientTransformation:
         return self.decayed if _decays(path) else self.undecayed
 
+    def init_leaf(self, path, param, is_stacked=False):
+        """The optax state of one parameter (vmapped over layers if `is_stacked`)."""
+        init = self._tx(path).init
+        return jax.vmap(init)(param) if is_stacked else init(param)
+
     def init(self, params, stacked):
         """`stacked`: a tree like the params of bools, true for weights stacked over layers."""
-
-        def one(path, p, is_stacked):
-            init = self._tx(path).init
-            return jax.vmap(init)(p) if is_stacked else init(p)
-
-        return jax.tree_util.tree_map_with_path(one, params, stacked)
+        return jax.tree_util.tree_map_with_path(self.init_leaf, params, stacked)
 
     def clip(self, grads):
         """(grads scaled to the global norm limit, the global norm before clipping)."""
