@@ -12,12 +12,10 @@ out-of-memory the planner did not foresee) is recorded and the next goes on.
 import argparse
 import json
 import math
-import pathlib
-import subprocess
 import sys
 import time
 
-from throughput import ROOT, machine
+from throughput import ROOT, run, write_results
 
 CASES = [
     ("adamw", "none"),
@@ -136,11 +134,7 @@ def main() -> int:
             continue
         layers, plan = found
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(layers), optimizer, policy]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        error = (proc.stderr.strip() or f"exit code {proc.returncode}").splitlines()[-3:]
-        run = json.loads(lines[-1]) if lines else dict(error=error)
-        results.append({**row, "layers": layers, **plan, **run})
+        results.append({**row, "layers": layers, **plan, **run(cmd, ROOT)})
         print(json.dumps(results[-1]), flush=True)
 
     header = ("optimizer/policy", "layers", "params", "B/param", "peak GiB")
@@ -155,12 +149,7 @@ def main() -> int:
             f"{r['optimizer'] + '/' + r['policy']:<22} {r['layers']:>6} {r['params'] / 1e9:>8.2f}B "
             f"{r['bytes_per_param']:>8.1f} {peak:>9.1f}  {ok}"
         )
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
-    )
-    print(f"wrote {out}")
+    write_results(a.out, results)
     return 0
 
 

@@ -9,10 +9,9 @@ memory each policy needs.
 
 import argparse
 import json
-import pathlib
 import sys
 
-from throughput import ROOT, machine, run
+from throughput import ROOT, run, write_results
 
 VARIANTS = [
     ("llama_1b none", "llama_1b", ["--config.offload.policy=none"]),
@@ -76,12 +75,7 @@ def main() -> int:
             f"{r['system']:<40} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} "
             f"{r['mfu']:>6.3f} {r['peak_gib']:>9.1f}  {losses}{same}"
         )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
-    )
-    print(f"wrote {out}")
+    write_results(args.out, results)
     return 0
 
 

@@ -78,7 +78,8 @@ def run(cmd: list[str], cwd) -> dict:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        return dict(error=(proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return dict(error=[f"exit code {proc.returncode}", *tail])
     return json.loads(lines[-1])
 
 
@@ -93,6 +94,15 @@ def machine() -> dict:
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
+
+
+def write_results(path: str, results: list[dict]) -> None:
+    """Writes the results with the command and machine that produced them."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(command=" ".join(sys.argv), machine=machine(), results=results)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
 
 
 def main() -> int:
@@ -148,12 +158,7 @@ def main() -> int:
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
         tps, mfu = f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}"
         print(f"{r['system']:<40} {batch:>5} {tps:>10} {mfu:>7} {peak:>9} {ratio:>13}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(dict(command=" ".join(sys.argv), machine=machine(), results=results), indent=1)
-    )
-    print(f"wrote {out}")
+    write_results(args.out, results)
     return 0
 
 
