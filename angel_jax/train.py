@@ -109,10 +109,8 @@ class Experiment:
         return TrainState(jnp.zeros((), jnp.int32), part(0), part(1), compute_params)
 
     def _host_leaf(self, path, param, is_stacked):
-        state = self.optimizer.init_leaf(path, param, is_stacked)
-        if not is_stacked:
-            return state
-        return tuple(jax.tree.map(lambda x, i=i: x[i], state) for i in range(param.shape[0]))
+        """One weight's optimizer state, per layer if stacked (the host layout)."""
+        return unstack_like(self.optimizer.init_leaf(path, param, is_stacked), is_stacked, param)
 
     def _with_compute_params(self, state: TrainState) -> TrainState:
         if not self.plan.offloads_optimizer:

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from throughput import ROOT, run, write_results
+from throughput import ROOT, run_ours, write_results
 
 VARIANTS = [
     ("llama_1b none", "llama_1b", ["--config.offload.policy=none"]),
@@ -43,19 +43,9 @@ def main() -> int:
     args = p.parse_args()
     results = []
     for name, config, overrides in VARIANTS:
-        cmd = [
-            sys.executable,
-            str(ROOT / "experiments/throughput.py"),
-            "--config",
-            str(ROOT / "configs" / f"{config}.py"),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--child",
-            *overrides,
-        ]
-        results.append({**run(cmd, ROOT), "system": name, "overrides": overrides})
+        config_path = str(ROOT / "configs" / f"{config}.py")
+        timing = run_ours(config_path, overrides, args.steps, args.warmup)
+        results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
 
     ref = {r["system"].split()[0]: r for r in results if r["system"].endswith(" none")}

@@ -11,6 +11,7 @@ peak memory, and each system's ratio to the plain JAX baseline.
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -74,6 +75,13 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     )
 
 
+def run_ours(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Times our trainer on `config` with `overrides` in a fresh process (see `child`)."""
+    cmd = [sys.executable, str(ROOT / "experiments/throughput.py"), "--config", config]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup), "--child", *overrides]
+    return run(cmd, ROOT)
+
+
 def run(cmd: list[str], cwd) -> dict:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -93,6 +101,7 @@ def machine() -> dict:
         python=platform.python_version(),
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        env={k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))},
     )
 
 
@@ -124,19 +133,8 @@ def main() -> int:
     for name, overrides in VARIANTS:
         if only and name not in only:
             continue
-        cmd = [
-            sys.executable,
-            __file__,
-            "--config",
-            args.config,
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--child",
-            *overrides,
-        ]
-        results.append({**run(cmd, ROOT), "system": name, "overrides": overrides})
+        timing = run_ours(args.config, overrides, args.steps, args.warmup)
+        results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
     if args.baselines:
         for name, cmd in BASELINES:
