@@ -24,7 +24,16 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.offload.planner import HOST, Plan, make_plan
-from angel_jax.offload.stream import streamed_update, unstack, unstack_like
+from angel_jax.offload.stream import (
+    Space,
+    fetch_f32,
+    layer_chunks,
+    pipelined,
+    regroup,
+    streamed_update,
+    unstack,
+    unstack_like,
+)
 from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
 
 
@@ -33,8 +42,9 @@ class TrainState:
     step: jax.Array
     params: Any  # float32 masters.
     opt_state: Any
-    # A compute-dtype copy on the device when the masters live in host memory (ZeRO-Cache);
-    # derived from `params`, so checkpoints leave it out.
+    # A compute-dtype copy when the masters live in host memory (ZeRO-Cache): on the device,
+    # or with layer streaming its layers in host memory; derived from `params`, so checkpoints
+    # leave it out.
     compute_params: Any = None
 
 
@@ -156,15 +166,14 @@ class Experiment:
         return cross_entropy(logits, tokens_BT1[:, 1:], self.config.train.z_loss)
 
     def loss_and_grads(self, params, batch_BT1: jax.Array):
-        """Mean loss, metrics and float32 grads over the batch, accumulated over microbatches."""
+        """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
+        float32 when accumulated over microbatches; streamed layers' grads in host memory
+        (stacked, or one array per layer when accumulated)."""
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         micro = self.config.train.microbatches
-        constrain_grads = functools.partial(
-            jax.lax.with_sharding_constraint, shardings=self.grad_sharding
-        )
         if micro == 1:
             (_, metrics), grads = grad_fn(params, batch_BT1)
-            return metrics, constrain_grads(grads)
+            return metrics, self._constrain_grads(grads)
         # Microbatch j takes rows j, j + micro, ...: each device keeps its own rows.
         rows, length = batch_BT1.shape
         micro_MBT = batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
@@ -172,14 +181,67 @@ class Experiment:
         def accumulate(acc, mb):
             (_, metrics), grads = grad_fn(params, mb)
             acc_metrics, acc_grads = acc
-            grads = constrain_grads(jax.tree.map(jnp.add, acc_grads, grads))
+            grads = self._accumulate(acc_grads, self._constrain_grads(grads), 1.0 / micro)
             return (jax.tree.map(jnp.add, acc_metrics, metrics), grads), None
 
-        zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
         metrics0 = dict(loss=jnp.zeros(()), z_loss=jnp.zeros(()))
-        (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, zeros), micro_MBT)
-        scale = 1.0 / micro
-        return jax.tree.map(lambda m: m * scale, metrics), jax.tree.map(lambda g: g * scale, grads)
+        (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zero_grads()), micro_MBT)
+        return jax.tree.map(lambda m: m / micro, metrics), grads
+
+    def _streamed(self, tree):
+        """Like `self.stacked`: the leaves that live in host memory under layer streaming."""
+        return jax.tree.map(lambda s, _: s and self.plan.streams_params, self.stacked, tree)
+
+    def _constrain_grads(self, grads):
+        # Streamed layers' grads arrive in host memory already in their params' layout.
+        return jax.tree.map(
+            lambda g, s, host: g if host else jax.lax.with_sharding_constraint(g, s),
+            grads,
+            self.grad_sharding,
+            self._streamed(grads),
+        )
+
+    def _zero_grads(self):
+        """Float32 zeros to accumulate grads into; a streamed weight's one per layer on host."""
+
+        def zeros(p, host):
+            if not host:
+                return jnp.zeros(p.shape, jnp.float32)
+            layer = jax.ShapeDtypeStruct(p.shape[1:], jnp.float32)
+            return tuple(
+                jax.device_put(jnp.zeros(layer.shape, layer.dtype), Space.Host)
+                for _ in range(p.shape[0])
+            )
+
+        abstract = self.abstract_state.compute_params
+        if abstract is None:
+            abstract = self.abstract_state.params
+        return self._constrain_acc(jax.tree.map(zeros, abstract, self._streamed(abstract)))
+
+    def _constrain_acc(self, acc):
+        # The shardings' tree is a prefix of `acc` (whose streamed leaves are per-layer tuples).
+        return jax.tree.map(
+            lambda s, host, a: a if host else jax.lax.with_sharding_constraint(a, s),
+            self.grad_sharding,
+            self._streamed(self.grad_sharding),
+            acc,
+        )
+
+    def _accumulate(self, acc, grads, scale: float):
+        """acc + scale * grads in float32; streamed layers' sums stay in host memory, a layer
+        at a time on the device."""
+        if not self.plan.streams_params:
+            return self._constrain_acc(
+                jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc, grads)
+            )
+        chunks, layers, treedef = layer_chunks(grads, acc, stacked=self.stacked)
+        dest = [Space.Host if n else Space.Device for n in layers for _ in range(n or 1)]
+
+        def add(k, g, a):
+            return (jax.device_put(fetch_f32(a) + fetch_f32(g) * scale, dest[k]),)
+
+        done = pipelined(add, [c[1:] for c in chunks], self.config.offload.chunks_in_flight)
+        return self._constrain_acc(regroup(done, layers, treedef)[0])
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
         if not self.plan.offloads_optimizer:
@@ -189,10 +251,9 @@ class Experiment:
             )
             compute = None
         else:
-            # The device copy gives the same grads as the masters would: the model casts them
-            # to the compute dtype either way, and grads come back as float32.
-            as_f32 = jax.tree.map(lambda p: p.astype(jnp.float32), state.compute_params)
-            metrics, grads = self.loss_and_grads(as_f32, batch_BT1)
+            # The compute copy gives the same grads as the masters would (the model casts
+            # them to the compute dtype either way), in the compute dtype.
+            metrics, grads = self.loss_and_grads(state.compute_params, batch_BT1)
             params, opt_state, compute, norm = streamed_update(
                 self.optimizer,
                 grads,
@@ -201,6 +262,7 @@ class Experiment:
                 self.stacked,
                 jnp.dtype(self.config.model.dtype),
                 self.config.offload.chunks_in_flight,
+                self._streamed(grads),
             )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.
@@ -303,9 +365,19 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         stacked=stacked,
     )
     compute_sharding = abstract_compute = None
+    if plan.streams_params:
+        model_config = dataclasses.replace(model_config, stream_params=True)
+        model = Llama(model_config)
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
-        compute_sharding = param_sharding
+        # Streamed layers' compute copy lives in host memory.
+        compute_sharding = jax.tree.map(
+            lambda s, is_stacked: (
+                s.with_memory_kind(HOST) if is_stacked and plan.streams_params else s
+            ),
+            param_sharding,
+            stacked,
+        )
         abstract_compute = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )

@@ -21,6 +21,17 @@ VARIANTS = [
         "llama_1b",
         ["--config.offload.policy=optimizer", "--config.offload.chunks_in_flight=8"],
     ),
+    ("llama_1b params", "llama_1b", ["--config.offload.policy=params"]),
+    (
+        "llama_1b params, 2 microbatches",
+        "llama_1b",
+        ["--config.offload.policy=params", "--config.train.microbatches=2"],
+    ),
+    (
+        "llama_1b optimizer, 2 microbatches",
+        "llama_1b",
+        ["--config.offload.policy=optimizer", "--config.train.microbatches=2"],
+    ),
     # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
     (
         "llama3_8b optimizer, 8 x 8192 in 8 microbatches",
@@ -40,9 +51,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
+    p.add_argument("--only", default="", help="run the variants whose name contains this")
     args = p.parse_args()
     results = []
     for name, config, overrides in VARIANTS:
+        if args.only not in name:
+            continue
         config_path = str(ROOT / "configs" / f"{config}.py")
         timing = run_ours(config_path, overrides, args.steps, args.warmup)
         results.append({**timing, "system": name, "overrides": overrides})

@@ -44,6 +44,9 @@ class LlamaConfig:
     remat: str = "none"
     attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
     scan_layers: bool = True
+    # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
+    # copies its layer's to the device (and, in the backward pass, its grads back).
+    stream_params: bool = False
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
@@ -85,6 +88,11 @@ class LlamaConfig:
         return 6 * self.matmul_params() + attention
 
 
+def _to_device(variables):
+    # Its transpose moves the grads back to where the weights came from: host memory.
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), variables)
+
+
 class DecoderLayer(nn.Module):
     cfg: LlamaConfig
 
@@ -123,6 +131,10 @@ class Llama(nn.Module):
         h_BTD = constrain(embed(tokens_BT), ("batch", "norm_length", "embed"))
 
         layer = DecoderLayer
+        if cfg.stream_params:
+            # Inside remat: the device copies are fetched again in the backward pass instead of
+            # being saved for it (which would keep every layer's weights on the device).
+            layer = nn.map_variables(layer, "params", trans_in_fn=_to_device, init=True)
         if cfg.remat != "none":
             layer = nn.remat(
                 layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers

@@ -11,8 +11,13 @@ Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
              params on the device; the update streams them through the device one chunk (a
-             layer's slice of one weight) at a time;
-  auto       `none` if it fits the device budget, else `optimizer`.
+             layer's slice of one weight) at a time; grads in the compute dtype (float32 while
+             accumulating microbatches);
+  params     also the layers' compute-dtype weights and their grads in pinned host memory: the
+             scan over layers copies each layer's weights to the device as it needs them, in
+             the forward and again in the backward pass, and each layer's grads leave the
+             device as the backward pass makes them;
+  auto       the first of none, optimizer, params that fits.
 A plan that fits nowhere is refused before anything is allocated.
 """
 
@@ -27,7 +32,7 @@ import numpy as np
 from angel_jax.config import ConfigError
 
 DEVICE, HOST = "device", "pinned_host"
-POLICIES = ("none", "optimizer", "auto")
+POLICIES = ("none", "optimizer", "params", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
 USABLE = 0.95
 
@@ -43,7 +48,11 @@ class Plan:
 
     @property
     def offloads_optimizer(self) -> bool:
-        return self.placement["optimizer state"] == HOST
+        return self.policy != "none"
+
+    @property
+    def streams_params(self) -> bool:
+        return self.policy == "params"
 
     def tier_bytes(self, tier: str) -> int:
         """Bytes per device in `tier` (the streamed update's chunks count as states)."""
@@ -125,6 +134,18 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]
     return int(on_device * unit + logits), int(on_host * unit)
 
 
+def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
+    """Bytes per device of (the stacked layer weights, the rest)."""
+    layers = sum(_split_bytes_each(abstract_params, stacked, dtype))
+    return layers, _local_bytes(abstract_params, dtype) - layers
+
+
+def _split_bytes_each(abstract_params, stacked, dtype) -> list[int]:
+    """Bytes per device of each stacked weight (all its layers)."""
+    leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(stacked), strict=True)
+    return [_local_bytes(p, dtype) for p, s in leaves if s] or [0]
+
+
 def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
     """Bytes of the largest chunk the streamed update moves: one weight (or one layer's slice
     of a stacked weight) with its optimizer state."""
@@ -152,35 +173,73 @@ def make_plan(
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
     on_device, on_host = activation_bytes(config, mesh)
     accumulating = config.train.microbatches > 1
+    layers = config.model.num_layers
 
-    def sizes(offload: bool) -> dict[str, int]:
-        chunks = 0
-        if offload:  # In flight: the chunks allowed, and one more leaving.
-            in_flight = config.offload.chunks_in_flight + 1
-            chunks = in_flight * _largest_chunk(offloaded_masters, opt, stacked)
-        return {
-            "compute params": _local_bytes(params, compute_dtype) if offload else 0,
-            "master params": _local_bytes(offloaded_masters if offload else params),
-            # float32, in the ZeRO grad layout; accumulation holds a second set.
-            "grads": _local_bytes(grads) * (2 if accumulating else 1),
+    def sizes(name: str) -> dict[str, int]:
+        if name == "none":  # float32 masters are the compute params; float32 grads.
+            return {
+                "compute params": _local_bytes(params),
+                "grads": _local_bytes(grads) * (2 if accumulating else 1),
+                "optimizer state": _local_bytes(opt),
+                "activations": on_device,
+                "offloaded activations": on_host,
+            }
+        # Grads come in the compute dtype; accumulating adds a float32 sum.
+        grad_bytes = (compute_dtype.itemsize + (4 if accumulating else 0)) / 4
+        layer_params, other_params = _split_bytes(params, stacked, compute_dtype)
+        layer_grads, other_grads = (int(b * grad_bytes) for b in _split_bytes(grads, stacked))
+        # In flight: the chunks allowed, and one more leaving.
+        chunks = (config.offload.chunks_in_flight + 1) * _largest_chunk(
+            offloaded_masters, opt, stacked
+        )
+        out = {
+            "compute params": layer_params + other_params,
+            "grads": layer_grads + other_grads,
+            "master params": _local_bytes(offloaded_masters),
             "optimizer state": _local_bytes(opt),
             "update chunks": chunks,
             "activations": on_device,
             "offloaded activations": on_host,
         }
+        if name == "params":
+            # Layer weights and grads (in the params' layout: grads return the way weights
+            # came) move to the host; two layers at a time visit the device, gathered.
+            f32_sum = layer_params * 4 // compute_dtype.itemsize if accumulating else 0
+            gathered = mesh.shape["data"] if config.zero_stage >= 3 else 1
+            out.update(
+                {
+                    "compute params": other_params,
+                    "grads": other_grads,
+                    "streamed params": layer_params,
+                    "streamed grads": layer_params + f32_sum,
+                    # Weights, grads and a prefetch of each of two layers.
+                    "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
+                }
+            )
+            # The update stacks each weight's new compute copy on the device before it leaves.
+            out["update chunks"] += max(_split_bytes_each(params, stacked, compute_dtype))
+        return out
 
-    def placed(offload: bool) -> Plan:
-        host_states = ("offloaded activations",)
-        host_states += ("master params", "optimizer state") if offload else ()
-        state_bytes = sizes(offload)
-        placement = {s: HOST if s in host_states else DEVICE for s in state_bytes}
-        name = "optimizer" if offload else "none"
+    host_states = {
+        "none": ("offloaded activations",),
+        "optimizer": ("offloaded activations", "master params", "optimizer state"),
+    }
+    host_states["params"] = host_states["optimizer"] + ("streamed params", "streamed grads")
+
+    def placed(name: str) -> Plan:
+        state_bytes = sizes(name)
+        placement = {s: HOST if s in host_states[name] else DEVICE for s in state_bytes}
         return Plan(name, placement, state_bytes, budget, num_params, mesh.size)
 
-    if policy == "auto":
-        candidates = [placed(False), placed(True)]
-    else:
-        candidates = [placed(policy == "optimizer")]
+    names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
+    if policy in ("params", "auto") and config.model.remat == "none":
+        if policy == "params":
+            raise ConfigError(
+                "config.offload.policy=params streams layer weights inside remat: set "
+                "config.model.remat (e.g. full or dots_no_batch), not none"
+            )
+        names = names[:2]
+    candidates = [placed(n) for n in names]
     for plan in candidates:
         if all(plan.tier_bytes(t) <= USABLE * plan.budget[t] for t in (DEVICE, HOST)):
             return plan

@@ -4,6 +4,8 @@ Masters and optimizer state live in pinned host memory, with each stacked layer 
 "layers" axis) kept as one array per layer: a chunk is one array, so the update can read it,
 write its successor into the same donated host buffer, and let XLA overlap one chunk's copies
 with another's update. The device holds a few chunks at a time instead of the whole state.
+Grads may be on the device or, under layer streaming, in host memory: both are read a chunk
+(a layer) at a time.
 """
 
 import jax
@@ -32,71 +34,115 @@ def unstack_like(tree, stacked, like):
     return jax.tree.map(split, like, tree, stacked)
 
 
-def _to(space, tree):
+def to_space(space, tree):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def streamed_update(
-    optimizer: Optimizer, grads, state, masters, stacked, compute_dtype, in_flight: int = 2
-):
-    """Updates host-resident, unstacked `masters` and `state` with device-resident `grads`.
+def fetch_f32(grad):
+    """A grad chunk on the device in float32, wherever it was."""
+    return jax.device_put(grad, Space.Device).astype(jnp.float32)
 
-    At most `in_flight` chunks are on the device at once: chunk k's copy to the device waits
-    (an optimization barrier) until chunk k - in_flight is updated, else XLA's scheduler would
-    start every copy early and hold the whole state on the device.
-    Returns (masters, state) as host-memory values of the same layout, the new masters stacked
-    in `compute_dtype` on the device, and the global grad norm.
+
+def pipelined(fn, chunks, in_flight: int) -> list:
+    """[fn(k, *chunk) for k, chunk in enumerate(chunks)], with at most `in_flight` chunks (tuples
+    of arrays) on the device at once.
+
+    Chunk k's inputs wait (an optimization barrier) until chunk k - in_flight's last output
+    exists, else XLA's scheduler would start every host->device copy early and hold all of
+    them on the device. `fn` returns a tuple whose last item is a device value.
     """
-    grads, norm = optimizer.clip(grads)
-    # Flatten to chunks: (path, grad, state, master) with stacked weights split per layer.
-    treedef = jax.tree.structure(grads)
-    chunks, shapes = [], []
-    for (path, grad), leaf_state, master, is_stacked in zip(
-        jax.tree_util.tree_leaves_with_path(grads),
-        treedef.flatten_up_to(state),
-        treedef.flatten_up_to(masters),
-        treedef.flatten_up_to(stacked),
-        strict=True,
-    ):
-        if is_stacked:
-            chunks += [(path, grad[i], leaf_state[i], master[i]) for i in range(len(master))]
-            shapes.append(len(master))
-        else:
-            chunks.append((path, grad, leaf_state, master))
-            shapes.append(None)
-
-    done = []  # Per chunk: (new master on host, new state on host, new compute copy).
-    for k, (path, grad, chunk_state, master) in enumerate(chunks):
+    done = []
+    for k, chunk in enumerate(chunks):
         if k >= in_flight:
-            chunk_state, master, _ = jax.lax.optimization_barrier(
-                (chunk_state, master, done[k - in_flight][2])
-            )
-        new_master, new_state = optimizer.update_leaf(
-            path, grad, _to(Space.Device, chunk_state), jax.device_put(master, Space.Device)
-        )
-        done.append(
-            (
-                jax.device_put(new_master, Space.Host),
-                _to(Space.Host, new_state),
-                new_master.astype(compute_dtype),
-            )
-        )
+            *chunk, _ = jax.lax.optimization_barrier((*chunk, done[k - in_flight][-1]))
+        done.append(fn(k, *chunk))
+    return done
 
-    # Regroup the chunks into the trees' layouts.
+
+def layer_chunks(grads, *trees, stacked):
+    """Flattens params-shaped trees into chunks (path, grad, *tree leaves), a stacked weight's
+    layers as separate chunks (its leaves may be stacked arrays or per-layer tuples); also
+    returns each weight's layer count (None if unstacked) and the params' treedef."""
+    paths_flags, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+    leaves = [treedef.flatten_up_to(t) for t in (grads, *trees)]
+    chunks, layers = [], []
+    for (path, is_stacked), *parts in zip(paths_flags, *leaves, strict=True):
+        if is_stacked:
+            n = len(parts[0])
+            chunks += [(path, *(p[i] for p in parts)) for i in range(n)]
+            layers.append(n)
+        else:
+            chunks.append((path, *parts))
+            layers.append(None)
+    return chunks, layers, treedef
+
+
+def regroup(done, layers, treedef, stack=()):
+    """Inverse of `layer_chunks` for per-chunk outputs: one tree per output position, a stacked
+    weight's layers as a tuple (or, for positions in `stack`, stacked into one array)."""
     outs, k = [], 0
-    for layers in shapes:
-        if layers is None:
+    for n in layers:
+        if n is None:
             outs.append(done[k])
             k += 1
         else:
-            group = done[k : k + layers]
-            k += layers
+            group = done[k : k + n]
+            k += n
             outs.append(
-                (
-                    tuple(m for m, _, _ in group),
-                    tuple(s for _, s, _ in group),
-                    jnp.stack([c for _, _, c in group]),
+                tuple(
+                    jnp.stack(parts) if i in stack else tuple(parts)
+                    for i, parts in enumerate(zip(*group))
                 )
             )
-    part = lambda i: treedef.unflatten([o[i] for o in outs])
-    return part(0), part(1), part(2), norm
+    return [treedef.unflatten([o[i] for o in outs]) for i in range(len(done[0]))]
+
+
+def global_norm(grads, stacked, in_flight: int):
+    """The global grad norm, one chunk at a time (grads may be in host memory)."""
+    chunks, _, _ = layer_chunks(grads, stacked=stacked)
+    squares = pipelined(
+        lambda _, g: (jnp.sum(jnp.square(fetch_f32(g))),), [(g,) for _, g in chunks], in_flight
+    )
+    return jnp.sqrt(sum(s for (s,) in squares))
+
+
+def streamed_update(
+    optimizer: Optimizer,
+    grads,
+    state,
+    masters,
+    stacked,
+    compute_dtype,
+    in_flight: int = 2,
+    streamed=None,
+):
+    """Updates host-resident, unstacked `masters` and `state` with `grads`.
+
+    Returns (masters, state) as host-memory values of the same layout, the new masters stacked
+    in `compute_dtype` (on the device, or in host memory where the params-shaped tree of bools
+    `streamed` says), and the global grad norm before clipping.
+    """
+    norm = global_norm(grads, stacked, in_flight)
+    scale = optimizer.clip_scale(norm)
+    chunks, layers, treedef = layer_chunks(grads, state, masters, stacked=stacked)
+
+    def update(k, grad, chunk_state, master):
+        new_master, new_state = optimizer.update_leaf(
+            chunks[k][0],
+            fetch_f32(grad) * scale,
+            to_space(Space.Device, chunk_state),
+            jax.device_put(master, Space.Device),
+        )
+        return (
+            jax.device_put(new_master, Space.Host),
+            to_space(Space.Host, new_state),
+            new_master.astype(compute_dtype),
+        )
+
+    done = pipelined(update, [chunk[1:] for chunk in chunks], in_flight)
+    new_masters, new_state, compute = regroup(done, layers, treedef, stack=(2,))
+    if streamed is not None:
+        compute = jax.tree.map(
+            lambda c, host: jax.device_put(c, Space.Host) if host else c, compute, streamed
+        )
+    return new_masters, new_state, compute, norm

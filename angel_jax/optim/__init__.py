@@ -47,12 +47,16 @@ class Optimizer:
         """`stacked`: a tree like the params of bools, true for weights stacked over layers."""
         return jax.tree_util.tree_map_with_path(self.init_leaf, params, stacked)
 
+    def clip_scale(self, norm):
+        """What grads with global norm `norm` are multiplied by to clip them, as optax does."""
+        if self.grad_clip <= 0:
+            return jnp.ones((), jnp.float32)
+        return self.grad_clip / jnp.maximum(norm, self.grad_clip)
+
     def clip(self, grads):
         """(grads scaled to the global norm limit, the global norm before clipping)."""
         norm = optax.tree.norm(grads)
-        if self.grad_clip <= 0:
-            return grads, norm
-        scale = self.grad_clip / jnp.maximum(norm, self.grad_clip)  # As optax clips.
+        scale = self.clip_scale(norm)
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads), norm
 
     def update_leaf(self, path, grad, state, param, is_stacked=False):
