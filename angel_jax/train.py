@@ -304,23 +304,25 @@ def _with_shardings(abstract, shardings):
     )
 
 
-def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked):
-    """Shapes and pinned-host shardings of masters and optimizer state in the streamed update's
-    layout: stacked weights split into one array per layer, each sharded like a layer slice of
-    its (ZeRO) layout."""
+def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked, plan):
+    """Shapes and shardings of masters and optimizer state in the streamed update's layout:
+    stacked weights split into one array per layer, each sharded like a layer slice of its
+    (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 
-    def on_host(is_stacked, p, shardings):
-        def one(s):
+    def on_host(path, is_stacked, p, shardings):
+        def one(s, layer=None):
             spec = P(*s.spec[1:]) if is_stacked else s.spec
-            return NamedSharding(s.mesh, spec, memory_kind=HOST)
+            tier = plan.chunk_tier(jax.tree_util.keystr(path), layer)
+            return NamedSharding(s.mesh, spec, memory_kind=tier)
 
-        layer = jax.tree.map(one, shardings)
-        return tuple(layer for _ in range(p.shape[0])) if is_stacked else layer
+        if not is_stacked:
+            return jax.tree.map(one, shardings)
+        return tuple(jax.tree.map(lambda s, i=i: one(s, i), shardings) for i in range(p.shape[0]))
 
-    masters = jax.tree.map(on_host, stacked, abstract_params, master_sharding)
-    opt = jax.tree.map(on_host, stacked, abstract_params, opt_sharding)
+    masters = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, master_sharding)
+    opt = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, opt_sharding)
     return host_params, host_opt, masters, opt
 
 
@@ -382,7 +384,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )
         abstract_params, abstract_opt, param_sharding, opt_sharding = _host_layout(
-            abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked
+            abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
         )
     state_sharding = TrainState(
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding

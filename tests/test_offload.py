@@ -1,5 +1,7 @@
 """ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -93,13 +95,45 @@ def test_layer_streaming_equals_on_device(mesh):
     with sharding.use_rules(exp.mesh, exp.rules):
         jaxpr = str(jax.make_jaxpr(exp.loss_and_grads)(state.compute_params, batch))
         _, grads = jax.jit(exp.loss_and_grads)(state.compute_params, batch)
-    for g, s in zip(jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, tuple)), stacked):
+    for g, s in zip(
+        jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, tuple)), stacked, strict=True
+    ):
         layers = g if isinstance(g, tuple) else [g]
         assert {x.sharding.memory_kind for x in layers} == {HOST if s else DEVICE}
         assert isinstance(g, tuple) == (s and exp.config.train.microbatches > 1)
     # Each layer's weights are copied to the device in the forward scan and again in the
     # backward (remat) scan: 9 weights per layer, twice.
     assert jaxpr.count("device_put") >= 2 * 9
+
+
+def test_auto_fills_the_device_first():
+    """`auto` keeps as many update chunks on the device as fit, the rest in host memory, and
+    trains exactly as `none` does."""
+    # Eight layers, one chunk in flight: room for some chunks between the two policies' needs.
+    kw = dict(
+        zero_stage=3,
+        mesh__data=8,
+        model__num_layers=8,
+        offload__host_gib=64,
+        offload__chunks_in_flight=1,
+    )
+    mesh = make_mesh(small_config(**kw).mesh)
+    on_device = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
+    lo, hi = on_device("optimizer").tier_bytes(DEVICE), on_device("none").tier_bytes(DEVICE)
+    budget_gib = (lo + hi) / 2 / 0.95 / 2**30
+    _, _, ref_losses = train(small_config(**kw))
+    exp, state, losses = train(
+        small_config(offload__policy="auto", offload__device_gib=budget_gib, **kw)
+    )
+    assert exp.plan.policy == "optimizer" and exp.plan.tier_bytes(DEVICE) <= budget_gib * 2**30
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    kinds = {x.sharding.memory_kind for x in leaves}
+    assert kinds == {DEVICE, HOST}, kinds
+    resident = sum(
+        x.addressable_shards[0].data.nbytes for x in leaves if x.sharding.memory_kind == DEVICE
+    )
+    assert resident == exp.plan.state_bytes["resident chunks"] > 0
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
 
 
 def test_layer_streaming_needs_remat():
@@ -155,10 +189,15 @@ def test_planner_auto_offloads_only_when_the_device_is_too_small():
     exp = build(*llama_1b("--config.offload.policy=auto", "--config.offload.device_gib=32"))
     assert exp.plan.policy == "optimizer"
     table = exp.plan.table()
-    assert "master params    pinned_host" in table and "grads            device" in table
+    assert re.search(r"master params +pinned_host", table) and re.search(r"grads +device", table)
+    # The device is filled first: what is left of it is less than the largest update chunk.
     on_device = exp.plan.tier_bytes(DEVICE)
-    assert on_device <= 0.95 * 32 * 2**30 < fits.plan.tier_bytes(DEVICE)
+    assert 0.95 * 32 * 2**30 - 3 * 32000 * 2048 * 4 < on_device <= 0.95 * 32 * 2**30
+    assert 0.95 * 32 * 2**30 < fits.plan.tier_bytes(DEVICE)
     b = exp.plan.state_bytes
+    assert b["resident chunks"] > 0
+    optimizer = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
+    b = build(*llama_1b(*optimizer)).plan.state_bytes
     # The compute copy is bf16: half the bytes of the fp32 masters.
     assert 2 * b["compute params"] == b["master params"]
     # The update streams chunks: three of the largest (the 32000 x 2048 embedding with its two

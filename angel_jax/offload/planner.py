@@ -17,7 +17,9 @@ Each state lives in exactly one tier. Policies:
              scan over layers copies each layer's weights to the device as it needs them, in
              the forward and again in the backward pass, and each layer's grads leave the
              device as the backward pass makes them;
-  auto       the first of none, optimizer, params that fits.
+  auto       the first of none, optimizer, params that fits, with the device filled first:
+             update chunks (a layer's slice of a weight: its master and optimizer state) stay
+             on the device while it has room, and only the rest go to host memory.
 A plan that fits nowhere is refused before anything is allocated.
 """
 
@@ -45,6 +47,12 @@ class Plan:
     budget: dict[str, int]  # Tier -> bytes per device.
     num_params: int
     num_devices: int
+    # Update chunks, (weight path as jax.tree_util.keystr, layer or None), whose master and
+    # optimizer state stay on the device under an offloading policy.
+    resident: frozenset = frozenset()
+
+    def chunk_tier(self, path: str, layer: int | None) -> str:
+        return DEVICE if (path, layer) in self.resident else HOST
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -67,12 +75,12 @@ class Plan:
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f}"
         lines = [f"ZeRO-Cache plan (policy {self.policy}), GiB per device:"]
-        lines.append(f"  {'state':<16} {'tier':<12} {'GiB':>8}")
+        lines.append(f"  {'state':<22} {'tier':<12} {'GiB':>8}")
         for state, nbytes in self.state_bytes.items():
-            lines.append(f"  {state:<16} {self.placement[state]:<12} {gib(nbytes)}")
+            lines.append(f"  {state:<22} {self.placement[state]:<12} {gib(nbytes)}")
         for tier in (DEVICE, HOST):
             used, budget = self.tier_bytes(tier), self.budget[tier]
-            lines.append(f"  {'total ' + tier:<29} {gib(used)} of {gib(budget).strip()} budget")
+            lines.append(f"  {'total ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         return "\n".join(lines)
 
@@ -86,6 +94,9 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         stats = jax.devices()[0].memory_stats() or {}
         device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
     host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
+    if jax.default_backend() == "gpu":  # XLA's pinned-host pool stops at its cap.
+        cap = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
+        host = min(host, int(cap * 2**30))
     local_devices = max(1, mesh.size // jax.process_count())
     return {DEVICE: device, HOST: host // local_devices}
 
@@ -144,6 +155,27 @@ def _split_bytes_each(abstract_params, stacked, dtype) -> list[int]:
     """Bytes per device of each stacked weight (all its layers)."""
     leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(stacked), strict=True)
     return [_local_bytes(p, dtype) for p, s in leaves if s] or [0]
+
+
+def _chunks(
+    abstract_params, opt_abstract, stacked
+) -> list[tuple[tuple[str, int | None], int, int]]:
+    """((weight path, layer or None), master bytes, state bytes) of each update chunk."""
+    out = []
+    for (path, p), leaf_state, is_stacked in zip(
+        jax.tree_util.tree_leaves_with_path(abstract_params),
+        jax.tree.structure(abstract_params).flatten_up_to(opt_abstract),
+        jax.tree.leaves(stacked),
+        strict=True,
+    ):
+        master, state = _local_bytes(p), _local_bytes(leaf_state)
+        key = jax.tree_util.keystr(path)
+        if is_stacked:
+            n = p.shape[0]
+            out += [((key, i), master // n, state // n) for i in range(n)]
+        else:
+            out.append(((key, None), master, state))
+    return out
 
 
 def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
@@ -229,7 +261,22 @@ def make_plan(
     def placed(name: str) -> Plan:
         state_bytes = sizes(name)
         placement = {s: HOST if s in host_states[name] else DEVICE for s in state_bytes}
-        return Plan(name, placement, state_bytes, budget, num_params, mesh.size)
+        plan = Plan(name, placement, state_bytes, budget, num_params, mesh.size)
+        if policy != "auto" or name == "none":
+            return plan
+        # Fill the device's spare room with update chunks, in the update's order.
+        spare = USABLE * budget[DEVICE] - plan.tier_bytes(DEVICE)
+        resident, masters, states = set(), 0, 0
+        for key, master, state in _chunks(offloaded_masters, opt, stacked):
+            if master + state <= spare:
+                spare -= master + state
+                resident.add(key)
+                masters, states = masters + master, states + state
+        state_bytes["master params"] -= masters
+        state_bytes["optimizer state"] -= states
+        state_bytes["resident chunks"] = masters + states
+        placement["resident chunks"] = DEVICE
+        return dataclasses.replace(plan, resident=frozenset(resident))
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
     if policy in ("params", "auto") and config.model.remat == "none":

@@ -91,7 +91,7 @@ def regroup(done, layers, treedef, stack=()):
             outs.append(
                 tuple(
                     jnp.stack(parts) if i in stack else tuple(parts)
-                    for i, parts in enumerate(zip(*group))
+                    for i, parts in enumerate(zip(*group, strict=True))
                 )
             )
     return [treedef.unflatten([o[i] for o in outs]) for i in range(len(done[0]))]
@@ -116,9 +116,10 @@ def streamed_update(
     in_flight: int = 2,
     streamed=None,
 ):
-    """Updates host-resident, unstacked `masters` and `state` with `grads`.
+    """Updates host-resident (or device-resident), unstacked `masters` and `state` with
+    `grads`.
 
-    Returns (masters, state) as host-memory values of the same layout, the new masters stacked
+    Returns (masters, state) in the same memories and layout, the new masters stacked
     in `compute_dtype` (on the device, or in host memory where the params-shaped tree of bools
     `streamed` says), and the global grad norm before clipping.
     """
@@ -133,9 +134,11 @@ def streamed_update(
             to_space(Space.Device, chunk_state),
             jax.device_put(master, Space.Device),
         )
+        # Back to the chunk's tier: host memory, or the device for chunks the plan keeps there.
+        tier = jax.typeof(master).memory_space
         return (
-            jax.device_put(new_master, Space.Host),
-            to_space(Space.Host, new_state),
+            jax.device_put(new_master, tier),
+            to_space(tier, new_state),
             new_master.astype(compute_dtype),
         )
 
