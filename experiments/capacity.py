@@ -18,10 +18,9 @@ import time
 from throughput import ROOT, run, write_results
 
 CASES = [
-    ("adamw", "none"),
-    ("adamw", "optimizer"),
-    ("adafactor", "none"),
-    ("adafactor", "optimizer"),
+    (optimizer, policy)
+    for optimizer in ("adamw", "adafactor")
+    for policy in ("none", "optimizer", "params", "auto")
 ]
 
 
