@@ -153,8 +153,9 @@ def test_optimizer_offload_equals_on_device_in_bfloat16():
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
 
 
-def test_offloaded_state_checkpoints_and_resumes(tmp_path):
-    config = small_config(offload__policy="optimizer", zero_stage=3, mesh__data=8)
+@pytest.mark.parametrize("policy", ["optimizer", "params"])
+def test_offloaded_state_checkpoints_and_resumes(tmp_path, policy):
+    config = small_config(offload__policy=policy, zero_stage=3, mesh__data=8, model__remat="full")
     exp, state, _ = train(config, steps=2)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
     ckpt.save(2, exp.checkpointed(state), 2)
