@@ -224,12 +224,17 @@ def make_plan(
         chunks = (config.offload.chunks_in_flight + 1) * _largest_chunk(
             offloaded_masters, opt, stacked
         )
+        # The update stacks each weight's new compute copy on the device. The compiled step
+        # on the H200 (jax 0.11.2, d=5120) holds two of the largest stacked weights at once
+        # beside the donated old copy (a 27.7 GiB allocation at 105 layers).
+        stacks = 2 * max(_split_bytes_each(params, stacked, compute_dtype))
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
             "master params": _local_bytes(offloaded_masters),
             "optimizer state": _local_bytes(opt),
             "update chunks": chunks,
+            "new compute copy": stacks,
             "activations": on_device,
             "offloaded activations": on_host,
         }
@@ -248,8 +253,10 @@ def make_plan(
                     "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
                 }
             )
-            # The update stacks each weight's new compute copy on the device before it leaves.
-            out["update chunks"] += max(_split_bytes_each(params, stacked, compute_dtype))
+            # Streamed layers' new compute copies leave for the host only after every one is
+            # stacked on the device: the compiled step on the H200 holds them all at once (47
+            # GiB of temporaries at 71 layers of d=5120 where 18 were planned before).
+            out["new compute copy"] = layer_params
         return out
 
     host_states = {
