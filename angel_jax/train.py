@@ -188,17 +188,20 @@ class Experiment:
         (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zero_grads()), micro_MBT)
         return jax.tree.map(lambda m: m / micro, metrics), grads
 
-    def _streamed(self, tree):
-        """Like `self.stacked`: the leaves that live in host memory under layer streaming."""
-        return jax.tree.map(lambda s, _: s and self.plan.streams_params, self.stacked, tree)
+    @functools.cached_property
+    def streamed(self):
+        """Like `self.stacked`: the weights whose compute copy and grads live in host memory."""
+        return jax.tree.map(lambda s: s and self.plan.streams_params, self.stacked)
 
     def _constrain_grads(self, grads):
-        # Streamed layers' grads arrive in host memory already in their params' layout.
+        """Grads (or their float32 sums) in the ZeRO grad layout; streamed layers' are left
+        where they are, in host memory in their params' layout (and per layer when summed)."""
+        # The shardings' tree is a prefix of `grads`, whose summed streamed leaves are tuples.
         return jax.tree.map(
-            lambda g, s, host: g if host else jax.lax.with_sharding_constraint(g, s),
-            grads,
+            lambda s, host, g: g if host else jax.lax.with_sharding_constraint(g, s),
             self.grad_sharding,
-            self._streamed(grads),
+            self.streamed,
+            grads,
         )
 
     def _zero_grads(self):
@@ -207,31 +210,19 @@ class Experiment:
         def zeros(p, host):
             if not host:
                 return jnp.zeros(p.shape, jnp.float32)
-            layer = jax.ShapeDtypeStruct(p.shape[1:], jnp.float32)
-            return tuple(
-                jax.device_put(jnp.zeros(layer.shape, layer.dtype), Space.Host)
-                for _ in range(p.shape[0])
-            )
+            layer = jnp.zeros(p.shape[1:], jnp.float32)
+            return tuple(jax.device_put(layer, Space.Host) for _ in range(p.shape[0]))
 
         abstract = self.abstract_state.compute_params
         if abstract is None:
             abstract = self.abstract_state.params
-        return self._constrain_acc(jax.tree.map(zeros, abstract, self._streamed(abstract)))
-
-    def _constrain_acc(self, acc):
-        # The shardings' tree is a prefix of `acc` (whose streamed leaves are per-layer tuples).
-        return jax.tree.map(
-            lambda s, host, a: a if host else jax.lax.with_sharding_constraint(a, s),
-            self.grad_sharding,
-            self._streamed(self.grad_sharding),
-            acc,
-        )
+        return self._constrain_grads(jax.tree.map(zeros, abstract, self.streamed))
 
     def _accumulate(self, acc, grads, scale: float):
         """acc + scale * grads in float32; streamed layers' sums stay in host memory, a layer
         at a time on the device."""
         if not self.plan.streams_params:
-            return self._constrain_acc(
+            return self._constrain_grads(
                 jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc, grads)
             )
         chunks, layers, treedef = layer_chunks(grads, acc, stacked=self.stacked)
@@ -241,7 +232,7 @@ class Experiment:
             return (jax.device_put(fetch_f32(a) + fetch_f32(g) * scale, dest[k]),)
 
         done = pipelined(add, [c[1:] for c in chunks], self.config.offload.chunks_in_flight)
-        return self._constrain_acc(regroup(done, layers, treedef)[0])
+        return self._constrain_grads(regroup(done, layers, treedef)[0])
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
         if not self.plan.offloads_optimizer:
@@ -262,7 +253,7 @@ class Experiment:
                 self.stacked,
                 jnp.dtype(self.config.model.dtype),
                 self.config.offload.chunks_in_flight,
-                self._streamed(grads),
+                self.streamed,
             )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.
