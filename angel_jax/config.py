@@ -79,6 +79,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
     c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
     c.offload.chunks_in_flight = 2  # Optimizer-state chunks on the device at once in the update.
+    # SSD tier (policy auto): update chunks that fit in neither device nor host memory live in
+    # this directory on local disk; "" turns the tier off.
+    c.offload.ssd_dir = ""
+    c.offload.ssd_gib = 0.0  # Budget on that disk per process; 0: its free space.
+    c.offload.ssd_compress = False  # Optimizer state on disk in bfloat16 (masters stay fp32).
     return c
 
 

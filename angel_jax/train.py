@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
-from angel_jax.offload.planner import HOST, Plan, make_plan
+from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, make_plan
+from angel_jax.offload.ssd import SSDChunk, SSDTier
 from angel_jax.offload.stream import (
     Space,
     fetch_f32,
@@ -71,6 +72,7 @@ class Experiment:
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
     plan: Plan
     stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).
+    ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
@@ -93,13 +95,14 @@ class Experiment:
     def _init_offloaded(self, rng) -> TrainState:
         """Builds the host-resident state one weight at a time, so the device never holds more
         than the fp32 params and one weight's optimizer state (not the whole state at once)."""
-        hosts = self.state_sharding
+        master_shardings = self._filled(self.state_sharding.params, "master_sharding")
+        opt_shardings = self._filled(self.state_sharding.opt_state, "state_sharding")
         # Same values as `_init` would give; on the device in the offloaded masters' layout.
-        master_layout = jax.tree.map(_stacked_sharding, self.stacked, hosts.params)
+        master_layout = jax.tree.map(_stacked_sharding, self.stacked, master_shardings)
         params = jax.jit(self._init_params, out_shardings=master_layout)(rng)
         compute_params = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(jnp.dtype(self.config.model.dtype)), p),
-            out_shardings=hosts.compute_params,
+            out_shardings=self.state_sharding.compute_params,
         )(params)
 
         def to_host(path, param, is_stacked, master_sharding, opt_sharding):
@@ -110,13 +113,43 @@ class Experiment:
                 lambda p: tuple(p) if is_stacked else p, out_shardings=master_sharding
             )(param)
             param.delete()  # Free the device copy now, not when the whole tree is done.
+            if self.ssd:  # SSD chunks go to disk and leave the state.
+                key = jax.tree_util.keystr(path)
+
+                def away(layer, m, s):
+                    chunk = self.ssd.by_key.get((key, layer))
+                    if chunk is None:
+                        return m, s
+                    self.ssd.put(chunk, m, s)
+                    return None, None
+
+                if is_stacked:
+                    pairs = [away(i, *ms) for i, ms in enumerate(zip(master, state, strict=True))]
+                    master, state = tuple(m for m, _ in pairs), tuple(s for _, s in pairs)
+                else:
+                    master, state = away(None, master, state)
             return master, state
 
         flat = jax.tree_util.tree_map_with_path(
-            to_host, params, self.stacked, hosts.params, hosts.opt_state
+            to_host, params, self.stacked, master_shardings, opt_shardings
         )
         part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
+        if self.ssd:
+            self.ssd.wait()
         return TrainState(jnp.zeros((), jnp.int32), part(0), part(1), compute_params)
+
+    def _filled(self, shardings, field: str):
+        """Masters' or optimizer state's `shardings` with the SSD chunks' device shardings
+        (their `field`) where the state holds None."""
+        if not self.ssd:
+            return shardings
+
+        def fill(path, is_stacked, sub):
+            key = jax.tree_util.keystr(path)
+            get = lambda layer, x: getattr(self.ssd.by_key.get((key, layer)), field, x)
+            return tuple(get(i, x) for i, x in enumerate(sub)) if is_stacked else get(None, sub)
+
+        return jax.tree_util.tree_map_with_path(fill, self.stacked, shardings)
 
     def _host_leaf(self, path, param, is_stacked):
         """One weight's optimizer state, per layer if stacked (the host layout)."""
@@ -145,6 +178,17 @@ class Experiment:
         params = jax.device_get(state.params)
         if not self.plan.offloads_optimizer:
             return params
+        if self.ssd:  # Fill in the chunks on disk.
+            treedef = jax.tree.structure(self.stacked)
+            flat = treedef.flatten_up_to(params)
+            for chunk, (master, _) in zip(self.ssd.chunks, self.ssd.read_all(), strict=True):
+                if chunk.layer is None:
+                    flat[chunk.weight] = master
+                else:
+                    layers = list(flat[chunk.weight])
+                    layers[chunk.layer] = master
+                    flat[chunk.weight] = tuple(layers)
+            params = treedef.unflatten(flat)
         return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
 
     def checkpointed(self, state: TrainState) -> TrainState:
@@ -240,39 +284,56 @@ class Experiment:
             params, opt_state, norm = self.optimizer.update(
                 grads, state.opt_state, state.params, self.stacked
             )
-            compute = None
+            compute = ssd = None
         else:
             # The compute copy gives the same grads as the masters would (the model casts
             # them to the compute dtype either way), in the compute dtype.
             metrics, grads = self.loss_and_grads(state.compute_params, batch_BT1)
-            params, opt_state, compute, norm = streamed_update(
+            params, opt_state, compute, norm, ssd = streamed_update(
                 self.optimizer,
                 grads,
                 state.opt_state,
                 state.params,
+                state.compute_params,
                 self.stacked,
-                jnp.dtype(self.config.model.dtype),
                 self.config.offload.chunks_in_flight,
                 self.streamed,
             )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.
-        return TrainState(state.step + 1, params, opt_state, compute), metrics
+        new_state = TrainState(state.step + 1, params, opt_state, compute)
+        return new_state, metrics, ssd if self.ssd else None
 
     @functools.cached_property
     def train_step(self):
-        """(state, batch) -> (state, metrics); the state is donated."""
+        """(state, batch) -> (state, metrics); the state is donated. Chunks on the SSD tier are
+        updated after the jitted step, from the grads it returns."""
         replicated = NamedSharding(self.mesh, P())
+        ssd_sharding = None
+        if self.ssd:
+            grad_shardings = jax.tree.leaves(self.grad_sharding)
+
+            def layer_of(chunk):
+                whole = grad_shardings[chunk.weight]
+                spec = whole.spec if chunk.layer is None else P(*whole.spec[1:])
+                return NamedSharding(self.mesh, spec)
+
+            ssd_sharding = ([layer_of(c) for c in self.ssd.chunks], replicated)
         step = jax.jit(
             self._train_step,
             in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, replicated),
+            out_shardings=(self.state_sharding, replicated, ssd_sharding),
             donate_argnums=0,
         )
 
         def run(state, batch):
             with sharding.use_rules(self.mesh, self.rules):
-                return step(state, batch)
+                state, metrics, ssd = step(state, batch)
+            if self.ssd:
+                treedef = jax.tree.structure(self.stacked)
+                compute = self.ssd.update(treedef.flatten_up_to(state.compute_params), *ssd)
+                state = state.replace(compute_params=treedef.unflatten(compute))
+            return state, metrics
 
         return run
 
@@ -298,7 +359,9 @@ def _with_shardings(abstract, shardings):
 def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked, plan):
     """Shapes and shardings of masters and optimizer state in the streamed update's layout:
     stacked weights split into one array per layer, each sharded like a layer slice of its
-    (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there)."""
+    (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
+    Chunks on the SSD tier are None there; they come back as a list of `SSDChunk`s (with their
+    shardings on the device, where their update runs)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 
@@ -306,7 +369,7 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
         def one(s, layer=None):
             spec = P(*s.spec[1:]) if is_stacked else s.spec
             tier = plan.chunk_tier(jax.tree_util.keystr(path), layer)
-            return NamedSharding(s.mesh, spec, memory_kind=tier)
+            return NamedSharding(s.mesh, spec, memory_kind=DEVICE if tier == SSD else tier)
 
         if not is_stacked:
             return jax.tree.map(one, shardings)
@@ -314,7 +377,28 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
 
     masters = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, master_sharding)
     opt = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, opt_sharding)
-    return host_params, host_opt, masters, opt
+    chunks = []
+    treedef = jax.tree.structure(stacked)
+    flat = [treedef.flatten_up_to(t) for t in (masters, opt)]
+    for w, ((path, is_stacked), m, o) in enumerate(
+        zip(jax.tree_util.tree_leaves_with_path(stacked), *flat, strict=True)
+    ):
+        key = jax.tree_util.keystr(path)
+        for layer in range(len(m)) if is_stacked else [None]:
+            if plan.chunk_tier(key, layer) == SSD:
+                pick = (lambda x: x) if layer is None else (lambda x, i=layer: x[i])
+                chunks.append(SSDChunk(f"{key}[{layer}]", path, w, layer, pick(m), pick(o)))
+
+    def drop(tree):
+        def one(path, is_stacked, sub):
+            key = jax.tree_util.keystr(path)
+            if not is_stacked:
+                return None if plan.chunk_tier(key, None) == SSD else sub
+            return tuple(None if plan.chunk_tier(key, i) == SSD else x for i, x in enumerate(sub))
+
+        return jax.tree_util.tree_map_with_path(one, stacked, tree)
+
+    return drop(host_params), drop(host_opt), drop(masters), drop(opt), chunks
 
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
@@ -357,7 +441,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         opt=_with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
     )
-    compute_sharding = abstract_compute = None
+    compute_sharding = abstract_compute = ssd = None
     if plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)
         model = Llama(model_config)
@@ -374,9 +458,16 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_compute = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )
-        abstract_params, abstract_opt, param_sharding, opt_sharding = _host_layout(
+        abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = _host_layout(
             abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
         )
+        if chunks:
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "config.offload.ssd_dir: the SSD tier runs in one process only for now; "
+                    "leave it empty on multi-process runs"
+                )
+            ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, chunks, optimizer)
     state_sharding = TrainState(
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
     )
@@ -397,6 +488,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_state=abstract_state,
         plan=plan,
         stacked=stacked,
+        ssd=ssd,
     )
 
 
@@ -419,6 +511,13 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         ) from None
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
+    if exp.ssd and config.checkpoint.every_steps > 0:
+        raise ConfigError(
+            f"the plan puts {len(exp.ssd.chunks)} update chunks on the SSD tier "
+            f"(config.offload.ssd_dir={config.offload.ssd_dir!r}), which checkpoints do not "
+            "save yet; set config.checkpoint.every_steps=0, or give host memory room for "
+            "them (config.offload.host_gib)"
+        )
     batches = make_batches(config)  # Checks the data before any device memory is taken.
     ckpt = None
     if config.checkpoint.every_steps > 0:

@@ -41,6 +41,10 @@ def overrides(a, layers, optimizer, policy) -> list[str]:
         "--config.data.synthetic=true",
         f"--config.offload.device_gib={a.device_gib}",
         f"--config.offload.host_gib={a.host_gib}",
+        f"--config.offload.ssd_dir={a.ssd_dir}",
+        f"--config.offload.ssd_gib={a.ssd_gib}",
+        f"--config.offload.ssd_compress={a.ssd_compress}",
+        "--config.checkpoint.every_steps=0",
     ]
 
 
@@ -113,6 +117,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device-gib", type=float, default=0.0, help="budget; 0: measured")
     p.add_argument("--host-gib", type=float, default=0.0, help="budget; 0: measured")
+    p.add_argument("--ssd-dir", default="", help="SSD tier directory (policy auto); '': none")
+    p.add_argument("--ssd-gib", type=float, default=0.0, help="SSD budget; 0: free space")
+    p.add_argument("--ssd-compress", action="store_true", help="optimizer state in bf16 on disk")
     p.add_argument("--only", default="", help="e.g. adamw/optimizer")
     p.add_argument("--out", default=str(ROOT / "experiments/results/capacity.json"))
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload.planner import DEVICE, HOST
-from angel_jax.train import build
+from angel_jax.train import build, train_loop
 from tests.test_train_parity import small_config
 
 
@@ -134,6 +134,81 @@ def test_auto_fills_the_device_first():
     )
     assert resident == exp.plan.state_bytes["resident chunks"] > 0
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def three_tiers():
+    """Budgets under which `auto` uses all three tiers on the small model: the device between
+    what `optimizer` and `none` need, host memory for about half of the update chunks."""
+    kw = dict(
+        zero_stage=3,
+        mesh__data=8,
+        model__num_layers=8,
+        offload__host_gib=64,
+        offload__chunks_in_flight=1,
+    )
+    mesh = make_mesh(small_config(**kw).mesh)
+    plan = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
+    lo, hi = plan("optimizer").tier_bytes(DEVICE), plan("none").tier_bytes(DEVICE)
+    _, ref_state, ref_losses = train(small_config(**kw))
+    kw.update(
+        offload__policy="auto",
+        offload__device_gib=(lo + hi) / 2 / 0.95 / 2**30,
+        offload__host_gib=plan("optimizer").tier_bytes(HOST) * 0.6 / 0.95 / 2**30,
+    )
+    return kw, jax.device_get(ref_state.params), ref_losses
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_ssd_tier_takes_what_host_memory_cannot(tmp_path, three_tiers, compress):
+    kw, ref_params, ref_losses = three_tiers
+    config = small_config(offload__ssd_dir=str(tmp_path), offload__ssd_compress=compress, **kw)
+    exp, state, losses = train(config)
+    plan = exp.plan
+    assert plan.policy == "optimizer" and plan.fits()
+    assert exp.ssd and 0 < len(exp.ssd.chunks) == len(plan.on_ssd) and plan.resident
+    # Each chunk lives in exactly one tier: SSD chunks are absent from the state.
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    assert {x.sharding.memory_kind for x in leaves} == {DEVICE, HOST}
+    stacked_masters = [
+        m
+        for m in jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, tuple))
+        if isinstance(m, tuple)
+    ]
+    assert sum(m is None for t in stacked_masters for m in t) == sum(
+        c.layer is not None for c in exp.ssd.chunks
+    )
+    on_disk = exp.ssd.nbytes
+    assert on_disk == pytest.approx(plan.state_bytes["SSD chunks"] * 8, rel=0.05)
+    params = exp.params_numpy(state)
+    if not compress:  # The same arithmetic, wherever the chunks live.
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params
+        )
+    else:  # bf16 moments on disk: AdamW's direction shifts by about bf16's rounding.
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
+        worst = max(
+            float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+        )
+        print(f"bf16 optimizer state on disk: params within {worst:.1e} (relative) of fp32")
+        assert 0 < worst < 1e-2, worst
+    exp.ssd.close()
+
+
+def test_ssd_tier_refuses_checkpoints_it_cannot_save_yet(tmp_path, three_tiers):
+    kw, _, _ = three_tiers
+    config = small_config(offload__ssd_dir=str(tmp_path / "ssd"), **kw)
+    config.checkpoint.every_steps = 5
+    with pytest.raises(ConfigError, match=r"SSD tier .* config.checkpoint.every_steps=0"):
+        train_loop(config, str(tmp_path / "run"))
+
+
+def test_ssd_tier_is_offered_when_nothing_fits(three_tiers):
+    kw, _, _ = three_tiers
+    with pytest.raises(ConfigError, match=r"an SSD tier \(config.offload.ssd_dir"):
+        build(small_config(**kw), make_mesh(small_config(**kw).mesh))
 
 
 def test_layer_streaming_needs_remat():

@@ -19,13 +19,17 @@ Each state lives in exactly one tier. Policies:
              device as the backward pass makes them;
   auto       the first of none, optimizer, params that fits, with the device filled first:
              update chunks (a layer's slice of a weight: its master and optimizer state) stay
-             on the device while it has room, and only the rest go to host memory.
+             on the device while it has room, the rest go to host memory, and what host
+             memory cannot hold goes to the SSD tier (config.offload.ssd_dir), where the
+             optimizer state may be kept in bfloat16 (config.offload.ssd_compress).
 A plan that fits nowhere is refused before anything is allocated.
 """
 
 import dataclasses
 import math
 import os
+import pathlib
+import shutil
 
 import jax
 import ml_collections
@@ -33,7 +37,7 @@ import numpy as np
 
 from angel_jax.config import ConfigError
 
-DEVICE, HOST = "device", "pinned_host"
+DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 POLICIES = ("none", "optimizer", "params", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
 USABLE = 0.95
@@ -50,9 +54,15 @@ class Plan:
     # Update chunks, (weight path as jax.tree_util.keystr, layer or None), whose master and
     # optimizer state stay on the device under an offloading policy.
     resident: frozenset = frozenset()
+    on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
+        if (path, layer) in self.on_ssd:
+            return SSD
         return DEVICE if (path, layer) in self.resident else HOST
+
+    def fits(self) -> bool:
+        return all(self.tier_bytes(t) <= USABLE * self.budget[t] for t in self.budget)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -69,7 +79,11 @@ class Plan:
     def bytes_per_param(self) -> float:
         """Device + host memory of the model states (not activations), over all devices, per
         trained parameter: AngelPTM's density measure (17.3 for ZeRO-Cache)."""
-        states = sum(b for s, b in self.state_bytes.items() if "activations" not in s)
+        states = sum(
+            b
+            for s, b in self.state_bytes.items()
+            if "activations" not in s and self.placement[s] != SSD
+        )
         return states * self.num_devices / self.num_params
 
     def table(self) -> str:
@@ -78,7 +92,7 @@ class Plan:
         lines.append(f"  {'state':<22} {'tier':<12} {'GiB':>8}")
         for state, nbytes in self.state_bytes.items():
             lines.append(f"  {state:<22} {self.placement[state]:<12} {gib(nbytes)}")
-        for tier in (DEVICE, HOST):
+        for tier in self.budget:
             used, budget = self.tier_bytes(tier), self.budget[tier]
             lines.append(f"  {'total ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
@@ -98,7 +112,17 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         cap = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
         host = min(host, int(cap * 2**30))
     local_devices = max(1, mesh.size // jax.process_count())
-    return {DEVICE: device, HOST: host // local_devices}
+    budget = {DEVICE: device, HOST: host // local_devices}
+    if o.ssd_dir:
+        if o.ssd_gib > 0:
+            ssd = int(o.ssd_gib * 2**30)
+        else:
+            existing = pathlib.Path(o.ssd_dir).absolute()
+            while not existing.exists():
+                existing = existing.parent
+            ssd = shutil.disk_usage(existing).free
+        budget[SSD] = ssd // local_devices
+    return budget
 
 
 def _host_available() -> int:
@@ -283,7 +307,24 @@ def make_plan(
         state_bytes["optimizer state"] -= states
         state_bytes["resident chunks"] = masters + states
         placement["resident chunks"] = DEVICE
-        return dataclasses.replace(plan, resident=frozenset(resident))
+        plan = dataclasses.replace(plan, resident=frozenset(resident))
+        if SSD not in budget or name != "optimizer":  # Layer streaming keeps no SSD tier.
+            return plan
+        # What host memory cannot hold goes to disk, from the last chunks of the update back.
+        over = plan.tier_bytes(HOST) - USABLE * budget[HOST]
+        on_ssd, on_disk = set(), 0
+        for key, master, state in reversed(_chunks(offloaded_masters, opt, stacked)):
+            if over <= 0:
+                break
+            if key not in resident:
+                on_ssd.add(key)
+                over -= master + state
+                state_bytes["master params"] -= master
+                state_bytes["optimizer state"] -= state
+                on_disk += master + (state // 2 if config.offload.ssd_compress else state)
+        state_bytes["SSD chunks"] = on_disk
+        placement["SSD chunks"] = SSD
+        return dataclasses.replace(plan, on_ssd=frozenset(on_ssd))
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
     if policy in ("params", "auto") and config.model.remat == "none":
@@ -295,20 +336,22 @@ def make_plan(
         names = names[:2]
     candidates = [placed(n) for n in names]
     for plan in candidates:
-        if all(plan.tier_bytes(t) <= USABLE * plan.budget[t] for t in (DEVICE, HOST)):
+        if plan.fits():
             return plan
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
-        for t in (DEVICE, HOST)
+        for t in plan.budget
     )
     fixes = ["more devices"]
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
     fixes += ["more remat (config.model.remat)"]
-    if policy == "none":
+    if policy != "auto":
         fixes += ["config.offload.policy=auto"]
+    if SSD not in budget:
+        fixes += ["an SSD tier (config.offload.ssd_dir, with policy auto)"]
     raise ConfigError(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
         f"use {', '.join(fixes[:-1])} or {fixes[-1]}"

@@ -111,23 +111,29 @@ def streamed_update(
     grads,
     state,
     masters,
+    compute,
     stacked,
-    compute_dtype,
     in_flight: int = 2,
     streamed=None,
 ):
-    """Updates host-resident (or device-resident), unstacked `masters` and `state` with
-    `grads`.
+    """Updates unstacked `masters` and `state` (each chunk in pinned host memory or on the
+    device) with `grads`. Chunks on the SSD tier (None in `masters`) are left to
+    `SSDTier.update`: their grads come back in a list, with the clipping scale.
 
-    Returns (masters, state) in the same memories and layout, the new masters stacked
-    in `compute_dtype` (on the device, or in host memory where the params-shaped tree of bools
-    `streamed` says), and the global grad norm before clipping.
+    Returns (masters, state) in the same memories and layout; the new compute copy, like
+    `compute` (stacked, on the device, or in host memory where the params-shaped tree of bools
+    `streamed` says; SSD chunks' layers keep their old values); the global grad norm before
+    clipping; and (the SSD chunks' grads, the clipping scale).
     """
     norm = global_norm(grads, stacked, in_flight)
     scale = optimizer.clip_scale(norm)
-    chunks, layers, treedef = layer_chunks(grads, state, masters, stacked=stacked)
+    chunks, layers, treedef = layer_chunks(grads, state, masters, compute, stacked=stacked)
+    ssd_grads = []
 
-    def update(k, grad, chunk_state, master):
+    def update(k, grad, chunk_state, master, old_compute):
+        if master is None:  # On the SSD tier.
+            ssd_grads.append(grad)
+            return None, None, old_compute
         new_master, new_state = optimizer.update_leaf(
             chunks[k][0],
             fetch_f32(grad) * scale,
@@ -139,13 +145,13 @@ def streamed_update(
         return (
             jax.device_put(new_master, tier),
             to_space(tier, new_state),
-            new_master.astype(compute_dtype),
+            new_master.astype(old_compute.dtype),
         )
 
     done = pipelined(update, [chunk[1:] for chunk in chunks], in_flight)
-    new_masters, new_state, compute = regroup(done, layers, treedef, stack=(2,))
+    new_masters, new_state, new_compute = regroup(done, layers, treedef, stack=(2,))
     if streamed is not None:
-        compute = jax.tree.map(
-            lambda c, host: jax.device_put(c, Space.Host) if host else c, compute, streamed
+        new_compute = jax.tree.map(
+            lambda c, host: jax.device_put(c, Space.Host) if host else c, new_compute, streamed
         )
-    return new_masters, new_state, compute, norm
+    return new_masters, new_state, new_compute, norm, (ssd_grads, scale)

@@ -1,0 +1,273 @@
+"""The SSD tier of ZeRO-Cache: optimizer chunks that fit neither device nor host memory.
+
+Each chunk (a pytree of arrays) lives on local disk as one .npy file per leaf; its structure
+stays in memory, so a store does not reopen files from an earlier run. Reads and writes run on a
+thread pool, so the trainer can read the next chunks and write the previous ones while the device
+updates the current one. Operations on one key run in the order they were issued.
+"""
+
+import concurrent.futures as futures
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import tempfile
+import threading
+from typing import NamedTuple
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from angel_jax.config import ConfigError
+
+
+class _Entry(NamedTuple):
+    treedef: jax.tree_util.PyTreeDef
+    dtypes: tuple[np.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
+
+
+def compression_error(x: np.ndarray) -> float:
+    """Returns max|x - bf16(x)| / max|x|, the relative error of storing `x` as bfloat16."""
+    x = np.asarray(x, np.float64)
+    scale = np.max(np.abs(x), initial=0.0)
+    if scale == 0:
+        return 0.0
+    rounded = x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return float(np.max(np.abs(x - rounded)) / scale)
+
+
+class SSDStore:
+    """One directory of .npy files; a chunk is a pytree of numpy arrays stored under a string key.
+
+    compress=True stores float32 leaves as bfloat16 (half the bytes, relative error <= 2**-9),
+    like AngelPTM's half-precision optimizer states on SSD; reads give float32 back.
+    """
+
+    def __init__(self, directory: str | os.PathLike, compress: bool = False, workers: int = 4):
+        self.directory = pathlib.Path(directory)
+        self.compress = compress
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.directory).close()  # Writable, not just present.
+        except OSError as e:
+            raise ConfigError(
+                f"config.offload.ssd_dir={str(directory)!r}: cannot write there "
+                f"({e.strerror or e}); set it to a writable directory on a local SSD"
+            ) from e
+        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="ssd")
+        self._lock = threading.Lock()  # Guards the three dicts/lists below.
+        self._meta: dict[str, _Entry] = {}  # Committed writes only.
+        self._last: dict[str, futures.Future] = {}  # Latest unfinished operation per key.
+        self._writes: list[futures.Future] = []  # Writes issued since the last wait().
+
+    def write(self, key: str, tree) -> futures.Future:
+        """Stores `tree` under `key` in the background; the future's result is None.
+
+        Leaves are converted with np.asarray in the worker, so a jax array's device-to-host copy
+        overlaps too. Until the future is done, do not mutate, delete or donate the leaves.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        future = self._submit(key, self._write, key, leaves, treedef)
+        with self._lock:
+            self._writes.append(future)
+        return future
+
+    def read(self, key: str) -> futures.Future:
+        """Loads `key` in the background: the written pytree, numpy leaves in their dtypes.
+
+        Sees every write of `key` issued before it; raises KeyError if there is none, or if the
+        latest one failed.
+        """
+        return self._submit(key, self._read, key)
+
+    def wait(self) -> None:
+        """Blocks until the writes issued so far are done; raises the first one's exception."""
+        with self._lock:
+            writes, self._writes = self._writes, []
+        futures.wait(writes)
+        for future in writes:
+            if future.exception() is not None:
+                raise future.exception()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk now, counting committed writes only."""
+        with self._lock:
+            return sum(entry.nbytes for entry in self._meta.values())
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._meta)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _submit(self, key: str, fn, *args) -> futures.Future:
+        with self._lock:
+            future = self._pool.submit(_after, self._last.get(key), fn, *args)
+            self._last[key] = future
+        # Drop the reference once done, else each key would pin its last read's arrays in memory.
+        future.add_done_callback(functools.partial(self._forget, key))
+        return future
+
+    def _forget(self, key: str, future: futures.Future) -> None:
+        with self._lock:
+            if self._last.get(key) is future:
+                del self._last[key]
+
+    def _stem(self, key: str) -> str:
+        # Readable prefix for humans, hash so that distinct keys never share a file name.
+        safe = re.sub(r"[^A-Za-z0-9_-]+", "_", key)[:64]
+        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+        return str(self.directory / f"{safe}-{digest}")
+
+    def _disk_dtype(self, dtype: np.dtype) -> np.dtype:
+        if self.compress and dtype == np.float32:
+            return np.dtype(ml_dtypes.bfloat16)
+        return dtype
+
+    def _write(self, key: str, leaves: list, treedef) -> None:
+        stem = self._stem(key)
+        try:
+            arrays = [np.asarray(leaf) for leaf in leaves]
+            nbytes = 0
+            for i, x in enumerate(arrays):
+                x = x.astype(self._disk_dtype(x.dtype), copy=False)
+                if x.dtype.isbuiltin == 2:
+                    # np.save writes user-defined dtypes (ml_dtypes) as void bytes: store the bits.
+                    x = x.view(f"u{x.dtype.itemsize}")
+                path = f"{stem}.{i}.npy"
+                # Write aside, then rename: a crash never leaves a truncated file under `path`.
+                with open(path + ".tmp", "wb") as f:
+                    np.save(f, x, allow_pickle=False)
+                    nbytes += f.tell()
+                os.replace(path + ".tmp", path)
+        except BaseException:
+            with self._lock:
+                self._meta.pop(key, None)  # Its files may be half old, half new: forget them.
+            raise
+        entry = _Entry(
+            treedef, tuple(x.dtype for x in arrays), tuple(x.shape for x in arrays), nbytes
+        )
+        with self._lock:
+            self._meta[key] = entry
+        # Leaves left over from an earlier, larger tree under this key.
+        i = len(arrays)
+        while os.path.exists(f"{stem}.{i}.npy"):
+            os.remove(f"{stem}.{i}.npy")
+            i += 1
+
+    def _read(self, key: str):
+        with self._lock:
+            entry = self._meta.get(key)
+        if entry is None:
+            raise KeyError(f"SSDStore has no {key!r}: never written, or its last write failed")
+        stem = self._stem(key)
+        leaves = []
+        for i, (dtype, shape) in enumerate(zip(entry.dtypes, entry.shapes, strict=True)):
+            x = np.load(f"{stem}.{i}.npy", allow_pickle=False)
+            x = x.view(self._disk_dtype(dtype)).astype(dtype, copy=False)
+            if x.shape != shape:
+                raise OSError(f"{stem}.{i}.npy: shape {x.shape}, wrote {shape}; changed on disk?")
+            leaves.append(x)
+        return jax.tree_util.tree_unflatten(entry.treedef, leaves)
+
+
+def _after(previous: futures.Future | None, fn, *args):
+    """Runs `fn` once `previous` (the key's prior operation) is done, so each key sees its
+    operations in order. Cannot deadlock: the pool takes work first in, first out, so
+    `previous` was started before this and is already running on another worker."""
+    if previous is not None:
+        futures.wait([previous])
+    return fn(*args)
+
+
+class SSDChunk(NamedTuple):
+    key: str  # Store key: the weight's key path and layer.
+    path: tuple  # The weight's key path in the params tree.
+    weight: int  # The weight's index among the params' leaves.
+    layer: int | None  # The layer of a stacked weight, None for an unstacked one.
+    master_sharding: jax.sharding.Sharding  # On the device, where the update runs.
+    state_sharding: object  # Like the chunk's optimizer state, of shardings.
+
+
+class SSDTier:
+    """The update chunks the plan put on disk, and their update, run after each step's jitted
+    program: chunk k + `prefetch` is read while chunk k is updated on the device, and written
+    back while the next ones are updated. Masters stay float32 on disk; `compress` keeps the
+    optimizer state in bfloat16."""
+
+    def __init__(self, directory, compress: bool, chunks: list[SSDChunk], optimizer, prefetch=4):
+        directory = pathlib.Path(directory)
+        self.masters = SSDStore(directory / "masters")
+        self.states = SSDStore(directory / "optimizer_state", compress)
+        self.chunks, self.optimizer, self.prefetch = chunks, optimizer, prefetch
+        self.by_key = {(jax.tree_util.keystr(c.path), c.layer): c for c in chunks}
+        self._update_fns = {}
+
+    def put(self, chunk: SSDChunk, master, state) -> None:
+        self.masters.write(chunk.key, master)
+        self.states.write(chunk.key, state)
+
+    def _read(self, chunk: SSDChunk):
+        return self.masters.read(chunk.key), self.states.read(chunk.key)
+
+    def read_all(self) -> list:
+        """Every chunk's (master, state) as numpy arrays, in order."""
+        reads = [self._read(c) for c in self.chunks]
+        return [(m.result(), s.result()) for m, s in reads]
+
+    @property
+    def nbytes(self) -> int:
+        return self.masters.nbytes + self.states.nbytes
+
+    def wait(self) -> None:
+        self.masters.wait()
+        self.states.wait()
+
+    def update(self, compute: list, grads, scale) -> list:
+        """Updates every chunk with its grad (clipped by `scale`); returns `compute` (the
+        params' compute copies, flat) with each chunk's new copy written in."""
+        reads = [self._read(c) for c in self.chunks[: self.prefetch]]
+        for k, (chunk, grad) in enumerate(zip(self.chunks, grads, strict=True)):
+            if k + self.prefetch < len(self.chunks):
+                reads.append(self._read(self.chunks[k + self.prefetch]))
+            master, state = (f.result() for f in reads[k])
+            reads[k] = None  # Let its host arrays go.
+            old = compute[chunk.weight]
+            new_master, new_state, compute[chunk.weight] = self._update_fn(chunk, old)(
+                grad, scale, master, state, old, chunk.layer or 0
+            )
+            self.put(chunk, new_master, new_state)
+        return compute
+
+    def _update_fn(self, chunk: SSDChunk, old):
+        key = (chunk.path, chunk.layer is None)  # One program per weight, not per layer.
+        if key not in self._update_fns:
+
+            def update(grad, scale, master, state, old, layer):
+                grad = jax.device_put(grad, jax.memory.Space.Device).astype(np.float32)
+                master, state = self.optimizer.update_leaf(chunk.path, grad * scale, state, master)
+                new = master.astype(old.dtype)
+                if chunk.layer is not None:
+                    new = jax.lax.dynamic_update_index_in_dim(old, new, layer, 0)
+                return master, state, new
+
+            self._update_fns[key] = jax.jit(
+                update,
+                in_shardings=(None, None, chunk.master_sharding, chunk.state_sharding, None, None),
+                out_shardings=(chunk.master_sharding, chunk.state_sharding, old.sharding),
+                donate_argnums=4,  # The compute copy is updated in place.
+            )
+        return self._update_fns[key]
+
+    def close(self) -> None:
+        self.masters.close()
+        self.states.close()
