@@ -143,13 +143,37 @@ class Experiment:
         (their `field`) where the state holds None."""
         if not self.ssd:
             return shardings
+        return self._with_ssd(shardings, [getattr(c, field) for c in self.ssd.chunks])
 
-        def fill(path, is_stacked, sub):
-            key = jax.tree_util.keystr(path)
-            get = lambda layer, x: getattr(self.ssd.by_key.get((key, layer)), field, x)
-            return tuple(get(i, x) for i, x in enumerate(sub)) if is_stacked else get(None, sub)
+    def _with_ssd(self, tree, values: list):
+        """A masters- or optimizer-state-shaped `tree` (per layer) with each SSD chunk's None
+        replaced by its item of `values` (one per chunk, in order)."""
+        treedef = jax.tree.structure(self.stacked)
+        flat = treedef.flatten_up_to(tree)
+        for chunk, value in zip(self.ssd.chunks, values, strict=True):
+            if chunk.layer is None:
+                flat[chunk.weight] = value
+            else:
+                layers = list(flat[chunk.weight])
+                layers[chunk.layer] = value
+                flat[chunk.weight] = tuple(layers)
+        return treedef.unflatten(flat)
 
-        return jax.tree_util.tree_map_with_path(fill, self.stacked, shardings)
+    def _without_ssd(self, tree):
+        """(`tree` with None where the SSD chunks are, their values in chunk order)."""
+        treedef = jax.tree.structure(self.stacked)
+        flat = treedef.flatten_up_to(tree)
+        values = []
+        for chunk in self.ssd.chunks:
+            if chunk.layer is None:
+                values.append(flat[chunk.weight])
+                flat[chunk.weight] = None
+            else:
+                layers = list(flat[chunk.weight])
+                values.append(layers[chunk.layer])
+                layers[chunk.layer] = None
+                flat[chunk.weight] = tuple(layers)
+        return treedef.unflatten(flat), values
 
     def _host_leaf(self, path, param, is_stacked):
         """One weight's optimizer state, per layer if stacked (the host layout)."""
@@ -159,7 +183,8 @@ class Experiment:
         if not self.plan.offloads_optimizer:
             return state
         dtype = jnp.dtype(self.config.model.dtype)
-        masters = jax.device_put(state.params, self._on_device(self.state_sharding.params))
+        shardings = self._filled(self.state_sharding.params, "master_sharding")
+        masters = jax.device_put(state.params, self._on_device(shardings))
         compute = jax.tree.map(
             lambda is_stacked, m: (
                 jnp.stack([x.astype(dtype) for x in m]) if is_stacked else m.astype(dtype)
@@ -179,31 +204,49 @@ class Experiment:
         if not self.plan.offloads_optimizer:
             return params
         if self.ssd:  # Fill in the chunks on disk.
-            treedef = jax.tree.structure(self.stacked)
-            flat = treedef.flatten_up_to(params)
-            for chunk, (master, _) in zip(self.ssd.chunks, self.ssd.read_all(), strict=True):
-                if chunk.layer is None:
-                    flat[chunk.weight] = master
-                else:
-                    layers = list(flat[chunk.weight])
-                    layers[chunk.layer] = master
-                    flat[chunk.weight] = tuple(layers)
-            params = treedef.unflatten(flat)
+            params = self._with_ssd(params, [m for m, _ in self.ssd.read_all()])
         return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
 
     def checkpointed(self, state: TrainState) -> TrainState:
-        """The part of `state` that checkpoints hold (the derived compute copy left out)."""
-        return state.replace(compute_params=None)
+        """What checkpoints hold: the derived compute copy left out, the SSD tier's chunks in
+        (as numpy arrays, read from disk: the tier passes through host memory while saving)."""
+        state = state.replace(compute_params=None)
+        if not self.ssd:
+            return state
+        values = self.ssd.read_all()
+        return state.replace(
+            params=self._with_ssd(state.params, [m for m, _ in values]),
+            opt_state=self._with_ssd(state.opt_state, [s for _, s in values]),
+        )
+
+    def checkpoint_target(self) -> TrainState:
+        """The abstract `checkpointed` state to restore into: the SSD chunks as numpy."""
+        state = self.abstract_state.replace(compute_params=None)
+        if not self.ssd:
+            return state
+        empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
+        return state.replace(
+            params=self._with_ssd(state.params, [empty(c.master) for c in self.ssd.chunks]),
+            opt_state=self._with_ssd(state.opt_state, [empty(c.state) for c in self.ssd.chunks]),
+        )
 
     def from_checkpointed(self, state: TrainState) -> TrainState:
-        """Re-derives what `checkpointed` left out."""
+        """Re-derives what `checkpointed` left out, and puts the SSD chunks back on disk."""
         if not self.plan.offloads_optimizer:
             return state
         derive = jax.jit(
             lambda params: self._with_compute_params(TrainState(None, params, None)).compute_params,
             out_shardings=self.state_sharding.compute_params,
         )
-        return state.replace(compute_params=derive(state.params))
+        state = state.replace(compute_params=derive(state.params))
+        if self.ssd:
+            masters, master_values = self._without_ssd(state.params)
+            opt, state_values = self._without_ssd(state.opt_state)
+            for chunk, m, s in zip(self.ssd.chunks, master_values, state_values, strict=True):
+                self.ssd.put(chunk, m, s)
+            self.ssd.wait()
+            state = state.replace(params=masters, opt_state=opt)
+        return state
 
     def loss(self, params, tokens_BT1: jax.Array):
         logits = self.model.apply({"params": params}, tokens_BT1[:, :-1])
@@ -379,7 +422,8 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
     opt = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, opt_sharding)
     chunks = []
     treedef = jax.tree.structure(stacked)
-    flat = [treedef.flatten_up_to(t) for t in (masters, opt)]
+    trees = (_with_shardings(host_params, masters), _with_shardings(host_opt, opt))
+    flat = [treedef.flatten_up_to(t) for t in trees]
     for w, ((path, is_stacked), m, o) in enumerate(
         zip(jax.tree_util.tree_leaves_with_path(stacked), *flat, strict=True)
     ):
@@ -511,13 +555,6 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         ) from None
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
-    if exp.ssd and config.checkpoint.every_steps > 0:
-        raise ConfigError(
-            f"the plan puts {len(exp.ssd.chunks)} update chunks on the SSD tier "
-            f"(config.offload.ssd_dir={config.offload.ssd_dir!r}), which checkpoints do not "
-            "save yet; set config.checkpoint.every_steps=0, or give host memory room for "
-            "them (config.offload.host_gib)"
-        )
     batches = make_batches(config)  # Checks the data before any device memory is taken.
     ckpt = None
     if config.checkpoint.every_steps > 0:
@@ -529,9 +566,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         )
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
-        state, data_index = ckpt.restore(
-            latest, exp.checkpointed(exp.abstract_state), exp.plan.policy
-        )
+        state, data_index = ckpt.restore(latest, exp.checkpoint_target(), exp.plan.policy)
         state = exp.from_checkpointed(state)
         say(f"resumed from {ckpt.directory / str(latest)}")
     else:

@@ -12,7 +12,7 @@ from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload.planner import DEVICE, HOST
-from angel_jax.train import build, train_loop
+from angel_jax.train import build
 from tests.test_train_parity import small_config
 
 
@@ -197,12 +197,32 @@ def test_ssd_tier_takes_what_host_memory_cannot(tmp_path, three_tiers, compress)
     exp.ssd.close()
 
 
-def test_ssd_tier_refuses_checkpoints_it_cannot_save_yet(tmp_path, three_tiers):
+def test_ssd_tier_checkpoints_and_resumes(tmp_path, three_tiers):
+    """The SSD chunks are saved inside the checkpoint and put back on disk on restore."""
     kw, _, _ = three_tiers
     config = small_config(offload__ssd_dir=str(tmp_path / "ssd"), **kw)
-    config.checkpoint.every_steps = 5
-    with pytest.raises(ConfigError, match=r"SSD tier .* config.checkpoint.every_steps=0"):
-        train_loop(config, str(tmp_path / "run"))
+    exp, state, _ = train(config, steps=2)
+    ckpt = Checkpointer(str(tmp_path / "run"), every_steps=1, keep=1)
+    ckpt.save(2, exp.checkpointed(state), 2, exp.plan.policy)
+    ckpt.close()
+    # A fresh experiment (a new process would build one) on a fresh SSD directory.
+    config2 = small_config(offload__ssd_dir=str(tmp_path / "ssd2"), **kw)
+    exp2 = build(config2, make_mesh(config2.mesh))
+    restored, _ = Checkpointer(str(tmp_path / "run"), 1, 1).restore(
+        2, exp2.checkpoint_target(), exp2.plan.policy
+    )
+    restored = exp2.from_checkpointed(restored)
+    jax.tree.map(
+        np.testing.assert_array_equal, exp2.params_numpy(restored), exp.params_numpy(state)
+    )
+    # Training continues identically, the SSD chunks included.
+    batch = exp.global_batch(make_batches(config)[2])
+    restored, m1 = exp2.train_step(restored, batch)
+    state, m2 = exp.train_step(state, batch)
+    assert float(m1["loss"]) == float(m2["loss"])
+    jax.tree.map(
+        np.testing.assert_array_equal, exp2.params_numpy(restored), exp.params_numpy(state)
+    )
 
 
 def test_ssd_tier_is_offered_when_nothing_fits(three_tiers):
@@ -235,9 +255,7 @@ def test_offloaded_state_checkpoints_and_resumes(tmp_path, policy):
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
     ckpt.save(2, exp.checkpointed(state), 2)
     ckpt.close()
-    restored, index = Checkpointer(str(tmp_path), 1, 1).restore(
-        2, exp.checkpointed(exp.abstract_state)
-    )
+    restored, index = Checkpointer(str(tmp_path), 1, 1).restore(2, exp.checkpoint_target())
     restored = exp.from_checkpointed(restored)
     assert index == 2
     jax.tree.map(

@@ -194,8 +194,16 @@ class SSDChunk(NamedTuple):
     path: tuple  # The weight's key path in the params tree.
     weight: int  # The weight's index among the params' leaves.
     layer: int | None  # The layer of a stacked weight, None for an unstacked one.
-    master_sharding: jax.sharding.Sharding  # On the device, where the update runs.
-    state_sharding: object  # Like the chunk's optimizer state, of shardings.
+    master: jax.ShapeDtypeStruct  # With its sharding on the device, where the update runs.
+    state: object  # The chunk's optimizer state, of ShapeDtypeStructs likewise.
+
+    @property
+    def master_sharding(self):
+        return self.master.sharding
+
+    @property
+    def state_sharding(self):
+        return jax.tree.map(lambda x: x.sharding, self.state)
 
 
 class SSDTier:
