@@ -340,7 +340,6 @@ class Experiment:
                 state.compute_params,
                 self.stacked,
                 self.config.offload.chunks_in_flight,
-                self.streamed,
             )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
         # Outputs return to their tiers through the jit's out_shardings.

@@ -77,23 +77,17 @@ def layer_chunks(grads, *trees, stacked):
     return chunks, layers, treedef
 
 
-def regroup(done, layers, treedef, stack=()):
+def regroup(done, layers, treedef):
     """Inverse of `layer_chunks` for per-chunk outputs: one tree per output position, a stacked
-    weight's layers as a tuple (or, for positions in `stack`, stacked into one array)."""
+    weight's layers as a tuple."""
     outs, k = [], 0
     for n in layers:
         if n is None:
             outs.append(done[k])
             k += 1
         else:
-            group = done[k : k + n]
+            outs.append(tuple(zip(*done[k : k + n], strict=True)))
             k += n
-            outs.append(
-                tuple(
-                    jnp.stack(parts) if i in stack else tuple(parts)
-                    for i, parts in enumerate(zip(*group, strict=True))
-                )
-            )
     return [treedef.unflatten([o[i] for o in outs]) for i in range(len(done[0]))]
 
 
@@ -114,44 +108,47 @@ def streamed_update(
     compute,
     stacked,
     in_flight: int = 2,
-    streamed=None,
 ):
     """Updates unstacked `masters` and `state` (each chunk in pinned host memory or on the
     device) with `grads`. Chunks on the SSD tier (None in `masters`) are left to
     `SSDTier.update`: their grads come back in a list, with the clipping scale.
 
-    Returns (masters, state) in the same memories and layout; the new compute copy, like
-    `compute` (stacked, on the device, or in host memory where the params-shaped tree of bools
-    `streamed` says; SSD chunks' layers keep their old values); the global grad norm before
+    Returns (masters, state) in the same memories and layout; the new compute copy, in
+    `compute`'s buffers (stacked weights on the device, or in host memory under layer
+    streaming; SSD chunks' layers keep their old values); the global grad norm before
     clipping; and (the SSD chunks' grads, the clipping scale).
     """
     norm = global_norm(grads, stacked, in_flight)
     scale = optimizer.clip_scale(norm)
-    chunks, layers, treedef = layer_chunks(grads, state, masters, compute, stacked=stacked)
+    chunks, layers, treedef = layer_chunks(grads, state, masters, stacked=stacked)
+    owner = [(w, i) for w, n in enumerate(layers) for i in (range(n) if n else [None])]
+    new_compute = treedef.flatten_up_to(compute)
     ssd_grads = []
 
-    def update(k, grad, chunk_state, master, old_compute):
+    def update(k, grad, chunk_state, master):
         if master is None:  # On the SSD tier.
             ssd_grads.append(grad)
-            return None, None, old_compute
+            return None, None, grad
         new_master, new_state = optimizer.update_leaf(
             chunks[k][0],
             fetch_f32(grad) * scale,
             to_space(Space.Device, chunk_state),
             jax.device_put(master, Space.Device),
         )
+        # Each layer's new compute copy goes straight into the (donated) stacked buffer,
+        # wherever it lives: stacking them all first would hold a second copy on the device.
+        w, layer = owner[k]
+        buffer = new_compute[w]
+        cast = new_master.astype(buffer.dtype)
+        if layer is None:
+            new_compute[w] = cast
+        else:
+            layer_copy = jax.device_put(cast, jax.typeof(buffer).memory_space)
+            new_compute[w] = jax.lax.dynamic_update_index_in_dim(buffer, layer_copy, layer, 0)
         # Back to the chunk's tier: host memory, or the device for chunks the plan keeps there.
         tier = jax.typeof(master).memory_space
-        return (
-            jax.device_put(new_master, tier),
-            to_space(tier, new_state),
-            new_master.astype(old_compute.dtype),
-        )
+        return jax.device_put(new_master, tier), to_space(tier, new_state), cast
 
     done = pipelined(update, [chunk[1:] for chunk in chunks], in_flight)
-    new_masters, new_state, new_compute = regroup(done, layers, treedef, stack=(2,))
-    if streamed is not None:
-        new_compute = jax.tree.map(
-            lambda c, host: jax.device_put(c, Space.Host) if host else c, new_compute, streamed
-        )
-    return new_masters, new_state, new_compute, norm, (ssd_grads, scale)
+    new_masters, new_state, _ = regroup(done, layers, treedef)
+    return new_masters, new_state, treedef.unflatten(new_compute), norm, (ssd_grads, scale)
