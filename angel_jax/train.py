@@ -24,14 +24,17 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig
 from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, make_plan
-from angel_jax.offload.ssd import SSDChunk, SSDTier
+from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import (
+    Chunk,
     Space,
+    StreamedUpdate,
     fetch_f32,
+    global_norm,
+    home_kind,
     layer_chunks,
     pipelined,
     regroup,
-    streamed_update,
     unstack,
     unstack_like,
 )
@@ -72,6 +75,8 @@ class Experiment:
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
     plan: Plan
     stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).
+    # The optimizer update of offloaded states, run after the jitted forward/backward step.
+    streamed_update: StreamedUpdate | None = None
     ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
 
     def init_state(self, seed: int | None = None) -> TrainState:
@@ -136,7 +141,9 @@ class Experiment:
         part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
         if self.ssd:
             self.ssd.wait()
-        return TrainState(jnp.zeros((), jnp.int32), part(0), part(1), compute_params)
+        # The step as the jitted step returns it, so its first call compiles what later use.
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_sharding.step)
+        return TrainState(step, part(0), part(1), compute_params)
 
     def _filled(self, shardings, field: str):
         """Masters' or optimizer state's `shardings` with the SSD chunks' device shardings
@@ -322,60 +329,78 @@ class Experiment:
         return self._constrain_grads(regroup(done, layers, treedef)[0])
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
-        if not self.plan.offloads_optimizer:
-            metrics, grads = self.loss_and_grads(state.params, batch_BT1)
-            params, opt_state, norm = self.optimizer.update(
-                grads, state.opt_state, state.params, self.stacked
-            )
-            compute = ssd = None
-        else:
-            # The compute copy gives the same grads as the masters would (the model casts
-            # them to the compute dtype either way), in the compute dtype.
-            metrics, grads = self.loss_and_grads(state.compute_params, batch_BT1)
-            params, opt_state, compute, norm, ssd = streamed_update(
-                self.optimizer,
-                grads,
-                state.opt_state,
-                state.params,
-                state.compute_params,
-                self.stacked,
-                self.config.offload.chunks_in_flight,
-            )
+        """The whole step, with the masters and optimizer state on the device."""
+        metrics, grads = self.loss_and_grads(state.params, batch_BT1)
+        params, opt_state, norm = self.optimizer.update(
+            grads, state.opt_state, state.params, self.stacked
+        )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
-        # Outputs return to their tiers through the jit's out_shardings.
-        new_state = TrainState(state.step + 1, params, opt_state, compute)
-        return new_state, metrics, ssd if self.ssd else None
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
+        """The jitted part of an offloaded step: (step + 1, grads, their clipping scale,
+        metrics). The compute copy gives the same grads as the masters would (the model casts
+        them to the compute dtype either way), in the compute dtype."""
+        metrics, grads = self.loss_and_grads(compute_params, batch_BT1)
+        norm = global_norm(grads, self.stacked, self.config.offload.chunks_in_flight)
+        metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(step))
+        return step + 1, grads, self.optimizer.clip_scale(norm), metrics
+
+    @functools.cached_property
+    def grad_step(self):
+        """Compiled `_grad_step`: (step, compute params, batch) -> (step + 1, grads, clipping
+        scale, metrics)."""
+        replicated = NamedSharding(self.mesh, P())
+        step = jax.jit(
+            self._grad_step,
+            in_shardings=(replicated, self.state_sharding.compute_params, self.batch_sharding),
+            # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
+            out_shardings=(replicated, None, replicated, replicated),
+        )
+        state = self.abstract_state
+        return self._compile(step, state.step, state.compute_params, self._abstract_batch())
+
+    def _abstract_batch(self):
+        t = self.config.train
+        shape = (t.batch_size, t.seq_len + 1)  # Inputs and, shifted by one, targets.
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+
+    def _compile(self, jitted, *abstract_args):
+        """Compiles ahead of time, from shapes alone: `train_step` is built before the state
+        is allocated, so XLA's GPU autotuner has the device's memory to try kernels in (a
+        state filled to the planner's budget leaves it too little: the H200 capacity runs
+        failed to compile so)."""
+        with sharding.use_rules(self.mesh, self.rules):
+            return jitted.lower(*abstract_args).compile()
+
+    def apply_streamed_update(self, state: TrainState, step, grads, scale) -> TrainState:
+        """The offloaded state after its streamed update with `grads` (`state` is donated)."""
+        treedef = jax.tree.structure(self.stacked)
+        flat = [
+            treedef.flatten_up_to(t)
+            for t in (grads, state.params, state.opt_state, state.compute_params)
+        ]
+        new = self.streamed_update(flat[0], scale, *flat[1:])
+        return TrainState(step, *(treedef.unflatten(t) for t in new))
 
     @functools.cached_property
     def train_step(self):
-        """(state, batch) -> (state, metrics); the state is donated. Chunks on the SSD tier are
-        updated after the jitted step, from the grads it returns."""
-        replicated = NamedSharding(self.mesh, P())
-        ssd_sharding = None
-        if self.ssd:
-            grad_shardings = jax.tree.leaves(self.grad_sharding)
-
-            def layer_of(chunk):
-                whole = grad_shardings[chunk.weight]
-                spec = whole.spec if chunk.layer is None else P(*whole.spec[1:])
-                return NamedSharding(self.mesh, spec)
-
-            ssd_sharding = ([layer_of(c) for c in self.ssd.chunks], replicated)
-        step = jax.jit(
-            self._train_step,
-            in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, replicated, ssd_sharding),
-            donate_argnums=0,
-        )
+        """(state, batch) -> (state, metrics); the state is donated. With offloaded states, a
+        jitted forward/backward step, then the streamed update of every chunk."""
+        if not self.plan.offloads_optimizer:
+            step = jax.jit(
+                self._train_step,
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=(self.state_sharding, NamedSharding(self.mesh, P())),
+                donate_argnums=0,
+            )
+            return self._compile(step, self.abstract_state, self._abstract_batch())
+        grad_step = self.grad_step
 
         def run(state, batch):
             with sharding.use_rules(self.mesh, self.rules):
-                state, metrics, ssd = step(state, batch)
-            if self.ssd:
-                treedef = jax.tree.structure(self.stacked)
-                compute = self.ssd.update(treedef.flatten_up_to(state.compute_params), *ssd)
-                state = state.replace(compute_params=treedef.unflatten(compute))
-            return state, metrics
+                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                return self.apply_streamed_update(state, step, grads, scale), metrics
 
         return run
 
@@ -402,23 +427,27 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
     """Shapes and shardings of masters and optimizer state in the streamed update's layout:
     stacked weights split into one array per layer, each sharded like a layer slice of its
     (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
-    Chunks on the SSD tier are None there; they come back as a list of `SSDChunk`s (with their
-    shardings on the device, where their update runs)."""
+    Chunks on the SSD tier are None there. Also returns every update chunk, in update order
+    (with its shardings on the device, where its update runs)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 
-    def on_host(path, is_stacked, p, shardings):
-        def one(s, layer=None):
+    def on_host(path, is_stacked, shardings, abstract):
+        def one(s, x, layer=None):
             spec = P(*s.spec[1:]) if is_stacked else s.spec
             tier = plan.chunk_tier(jax.tree_util.keystr(path), layer)
-            return NamedSharding(s.mesh, spec, memory_kind=DEVICE if tier == SSD else tier)
+            kind = DEVICE if tier == SSD else home_kind(tier, x)
+            return NamedSharding(s.mesh, spec, memory_kind=kind)
 
         if not is_stacked:
-            return jax.tree.map(one, shardings)
-        return tuple(jax.tree.map(lambda s, i=i: one(s, i), shardings) for i in range(p.shape[0]))
+            return jax.tree.map(one, shardings, abstract)
+        return tuple(
+            jax.tree.map(lambda s, x, i=i: one(s, x, i), shardings, abstract[i])
+            for i in range(len(abstract))
+        )
 
-    masters = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, master_sharding)
-    opt = jax.tree_util.tree_map_with_path(on_host, stacked, abstract_params, opt_sharding)
+    masters = jax.tree_util.tree_map_with_path(on_host, stacked, master_sharding, host_params)
+    opt = jax.tree_util.tree_map_with_path(on_host, stacked, opt_sharding, host_opt)
     chunks = []
     treedef = jax.tree.structure(stacked)
     trees = (_with_shardings(host_params, masters), _with_shardings(host_opt, opt))
@@ -428,9 +457,17 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
     ):
         key = jax.tree_util.keystr(path)
         for layer in range(len(m)) if is_stacked else [None]:
-            if plan.chunk_tier(key, layer) == SSD:
-                pick = (lambda x: x) if layer is None else (lambda x, i=layer: x[i])
-                chunks.append(SSDChunk(f"{key}[{layer}]", path, w, layer, pick(m), pick(o)))
+            pick = (lambda x: x) if layer is None else (lambda x, i=layer: x[i])
+            on_device = lambda tree: jax.tree.map(  # noqa: E731
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=x.sharding.with_memory_kind(DEVICE)
+                ),
+                tree,
+            )
+            tier = plan.chunk_tier(key, layer)
+            chunks.append(
+                Chunk(f"{key}[{layer}]", path, w, layer, tier, *map(on_device, (pick(m), pick(o))))
+            )
 
     def drop(tree):
         def one(path, is_stacked, sub):
@@ -484,7 +521,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         opt=_with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
     )
-    compute_sharding = abstract_compute = ssd = None
+    compute_sharding = abstract_compute = ssd = update = None
     if plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)
         model = Llama(model_config)
@@ -504,13 +541,15 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = _host_layout(
             abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
         )
-        if chunks:
+        on_disk = [c for c in chunks if c.tier == SSD]
+        if on_disk:
             if jax.process_count() > 1:
                 raise ConfigError(
                     "config.offload.ssd_dir: the SSD tier runs in one process only for now; "
                     "leave it empty on multi-process runs"
                 )
-            ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, chunks, optimizer)
+            ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
+        update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd)
     state_sharding = TrainState(
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
     )
@@ -531,6 +570,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_state=abstract_state,
         plan=plan,
         stacked=stacked,
+        streamed_update=update,
         ssd=ssd,
     )
 
@@ -564,6 +604,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
             config.checkpoint.async_save,
         )
     latest = ckpt.latest_step() if ckpt else None
+    train_step = exp.train_step  # Compiled before the state takes the device's memory.
     if latest is not None:
         state, data_index = ckpt.restore(latest, exp.checkpoint_target(), exp.plan.policy)
         state = exp.from_checkpointed(state)
@@ -618,7 +659,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     for step in range(start, t.steps):
         batch = exp.global_batch(next(batch_iter))
         with jax.transfer_guard("disallow"):
-            state, metrics = exp.train_step(state, batch)
+            state, metrics = train_step(state, batch)
         if pending:  # Step t's metrics are read after step t+1 is dispatched.
             log(*pending)
             pending = None

@@ -92,11 +92,12 @@ def child(a, layers, optimizer, policy) -> dict:
 
     config = load_config(a.config, overrides(a, layers, optimizer, policy))
     exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    train_step = exp.train_step  # Compiled before the state takes the device's memory.
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     losses, start = [], time.perf_counter()
     for _ in range(a.steps):
-        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+        state, metrics = train_step(state, exp.global_batch(next(batches)))
         losses.append(float(metrics["loss"]))
     stats = jax.devices()[0].memory_stats() or {}
     return dict(

@@ -10,40 +10,81 @@ memory each policy needs.
 import argparse
 import json
 import sys
+import time
 
-from throughput import ROOT, run_ours, write_results
+from throughput import ROOT, run, run_ours, write_results
 
+# (name, config, overrides, steps timed or None for the default); steps=0 times the one
+# broken-down step instead.
 VARIANTS = [
-    ("llama_1b none", "llama_1b", ["--config.offload.policy=none"]),
-    ("llama_1b optimizer", "llama_1b", ["--config.offload.policy=optimizer"]),
+    ("llama_1b none", "llama_1b", ["--config.offload.policy=none"], None),
+    ("llama_1b optimizer", "llama_1b", ["--config.offload.policy=optimizer"], None),
     (
         "llama_1b optimizer, 8 chunks in flight",
         "llama_1b",
         ["--config.offload.policy=optimizer", "--config.offload.chunks_in_flight=8"],
+        None,
     ),
-    ("llama_1b params", "llama_1b", ["--config.offload.policy=params"]),
+    ("llama_1b params", "llama_1b", ["--config.offload.policy=params"], None),
     (
         "llama_1b params, 2 microbatches",
         "llama_1b",
         ["--config.offload.policy=params", "--config.train.microbatches=2"],
+        None,
     ),
     (
         "llama_1b optimizer, 2 microbatches",
         "llama_1b",
         ["--config.offload.policy=optimizer", "--config.train.microbatches=2"],
+        None,
     ),
     # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
+    # About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
     (
-        "llama3_8b optimizer, 8 x 8192 in 8 microbatches",
+        "llama3_8b optimizer, 128 x 8192 in 128 microbatches",
         "llama3_8b",
         [
             "--config.offload.policy=optimizer",
             "--config.zero_stage=1",
-            "--config.train.batch_size=8",
-            "--config.train.microbatches=8",
+            "--config.train.batch_size=128",
+            "--config.train.microbatches=128",
         ],
+        0,
     ),
 ]
+
+
+def copy_rates(gib: int = 4) -> dict:
+    """GB/s of runtime host<->device copies of `gib` GiB in 256 MiB pieces: each way alone, and
+    both at once (what the streamed update's copies can reach)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    d = jax.devices()[0]
+    device, host = SingleDeviceSharding(d), SingleDeviceSharding(d, memory_kind="pinned_host")
+    pieces = 4 * gib
+    on_host = [jax.device_put(jnp.ones(2**26, jnp.float32), host) for _ in range(pieces)]
+    on_device = [jnp.ones(2**26, jnp.float32) for _ in range(pieces)]
+    cases = dict(
+        h2d=lambda: [jax.device_put(x, device) for x in on_host],
+        d2h=lambda: [jax.device_put(x, host) for x in on_device],
+        both=lambda: [
+            jax.device_put(x, s)
+            for pair in zip(on_host, on_device, strict=True)
+            for x, s in zip(pair, (device, host), strict=True)
+        ],
+    )
+    out = {}
+    for name, fn in cases.items():
+        jax.block_until_ready(fn())  # Warm up: the pinned pool grows on first use.
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        out[f"{name}_gbps_each_way"] = gib * 2**30 / 1e9 / min(times)
+    return out
 
 
 def main() -> int:
@@ -51,20 +92,30 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
-    p.add_argument("--only", default="", help="run the variants whose name contains this")
+    p.add_argument(
+        "--only", default="", help="comma-separated: run the variants whose name contains one"
+    )
+    p.add_argument("--copy-rates", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    results = []
-    for name, config, overrides in VARIANTS:
-        if args.only not in name:
+    if args.copy_rates:
+        print(json.dumps(copy_rates()), flush=True)
+        return 0
+    rates = run([sys.executable, __file__, "--copy-rates"], ROOT)
+    print("host<->device copies:", json.dumps(rates), flush=True)
+    results = [{**rates, "system": "copy rates"}]
+    for name, config, overrides, steps in VARIANTS:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         config_path = str(ROOT / "configs" / f"{config}.py")
-        timing = run_ours(config_path, overrides, args.steps, args.warmup)
+        warmup = args.warmup if steps is None else 1
+        timing = run_ours(config_path, overrides, args.steps if steps is None else steps, warmup)
         results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
 
     ref = {r["system"].split()[0]: r for r in results if r["system"].endswith(" none")}
-    print(f"\n{'variant':<40} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}  losses")
-    for r in results:
+    head = ("variant", "step s", "tokens/s", "MFU", "peak GiB", "fwd+bwd", "update", "GB/s")
+    print("\n{:<52} {:>7} {:>9} {:>6} {:>8} {:>7} {:>7} {:>6}  losses".format(*head))
+    for r in results[1:]:
         if "tokens_per_s" not in r:
             print(f"{r['system']:<40} failed: {r.get('error')}")
             continue
@@ -75,9 +126,13 @@ def main() -> int:
             diff = max(abs(a - b) / abs(b) for a, b in pairs)
             same = f" (vs none: max rel. diff {diff:.1e}{'' if diff < 1e-3 else ', TOO LARGE'})"
         losses = ", ".join(f"{x:.4f}" for x in r["warmup_losses"])
+        parts = "{:>7} {:>7} {:>6}".format(
+            *(f"{r[k]:.3f}" if k in r else "-" for k in ("compute_s", "update_s")),
+            f"{r['update_gbps_each_way']:.1f}" if "update_s" in r else "-",
+        )
         print(
-            f"{r['system']:<40} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} "
-            f"{r['mfu']:>6.3f} {r['peak_gib']:>9.1f}  {losses}{same}"
+            f"{r['system']:<52} {r['step_s']:>7.3f} {r['tokens_per_s']:>9,.0f} "
+            f"{r['mfu']:>6.3f} {r['peak_gib']:>8.1f} {parts}  {losses}{same}"
         )
     write_results(args.out, results)
     return 0

@@ -47,17 +47,22 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
 
     config = load_config(config_path, ["--config.data.synthetic=true", *overrides])
     exp = build(config, make_mesh(config.mesh))
+    train_step = exp.train_step  # Compiled before the state takes the device's memory.
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     warmup_losses = []  # Same data every run: lets variants be checked against each other.
     for _ in range(warmup):
-        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+        state, metrics = train_step(state, exp.global_batch(next(batches)))
         warmup_losses.append(float(metrics["loss"]))
     start = time.perf_counter()
     for _ in range(steps):
-        state, metrics = exp.train_step(state, exp.global_batch(next(batches)))
+        state, metrics = train_step(state, exp.global_batch(next(batches)))
+    jax.block_until_ready((state, metrics))
+    step_s = (time.perf_counter() - start) / max(steps, 1)
+    breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
+    if steps == 0:  # The broken-down step is the timed one.
+        step_s = breakdown["compute_s"] + breakdown["update_s"]
     loss = float(metrics["loss"])
-    step_s = (time.perf_counter() - start) / steps
     t, m = config.train, exp.model_config
     tokens_per_s = t.batch_size * t.seq_len / step_s
     stats = jax.devices()[0].memory_stats() or {}
@@ -72,6 +77,39 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,
+        **breakdown,
+    )
+
+
+def offload_breakdown(exp, state, batch) -> dict:
+    """One more step of an offloaded run, its two parts timed on their own: the jitted
+    forward/backward, and the streamed update with the bytes it copies each way."""
+    import jax
+
+    from angel_jax import sharding
+    from angel_jax.offload.planner import HOST
+
+    if not exp.plan.offloads_optimizer:
+        return {}
+    jax.block_until_ready(state)
+    with sharding.use_rules(exp.mesh, exp.rules):
+        start = time.perf_counter()
+        step, grads, scale, metrics = exp.grad_step(state.step, state.compute_params, batch)
+        jax.block_until_ready((grads, metrics))
+        middle = time.perf_counter()
+        jax.block_until_ready(exp.apply_streamed_update(state, step, grads, scale))
+        end = time.perf_counter()
+    moved = sum(
+        x.size * x.dtype.itemsize
+        for c in exp.streamed_update.chunks
+        if c.tier == HOST
+        for x in jax.tree.leaves((c.master, c.state))
+    )
+    return dict(
+        compute_s=middle - start,
+        update_s=end - middle,
+        update_gb_each_way=moved / 1e9,
+        update_gbps_each_way=moved / 1e9 / (end - middle),
     )
 
 

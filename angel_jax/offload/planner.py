@@ -171,14 +171,9 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]
 
 def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
     """Bytes per device of (the stacked layer weights, the rest)."""
-    layers = sum(_split_bytes_each(abstract_params, stacked, dtype))
-    return layers, _local_bytes(abstract_params, dtype) - layers
-
-
-def _split_bytes_each(abstract_params, stacked, dtype) -> list[int]:
-    """Bytes per device of each stacked weight (all its layers)."""
     leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(stacked), strict=True)
-    return [_local_bytes(p, dtype) for p, s in leaves if s] or [0]
+    layers = sum(_local_bytes(p, dtype) for p, s in leaves if s)
+    return layers, _local_bytes(abstract_params, dtype) - layers
 
 
 def _chunks(
@@ -248,17 +243,12 @@ def make_plan(
         chunks = (config.offload.chunks_in_flight + 1) * _largest_chunk(
             offloaded_masters, opt, stacked
         )
-        # The update stacks each weight's new compute copy on the device. The compiled step
-        # on the H200 (jax 0.11.2, d=5120) holds two of the largest stacked weights at once
-        # beside the donated old copy (a 27.7 GiB allocation at 105 layers).
-        stacks = 2 * max(_split_bytes_each(params, stacked, compute_dtype))
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
             "master params": _local_bytes(offloaded_masters),
             "optimizer state": _local_bytes(opt),
             "update chunks": chunks,
-            "new compute copy": stacks,
             "activations": on_device,
             "offloaded activations": on_host,
         }
@@ -277,10 +267,6 @@ def make_plan(
                     "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
                 }
             )
-            # Streamed layers' new compute copies leave for the host only after every one is
-            # stacked on the device: the compiled step on the H200 holds them all at once (47
-            # GiB of temporaries at 71 layers of d=5120 where 18 were planned before).
-            out["new compute copy"] = layer_params
         return out
 
     host_states = {

@@ -189,47 +189,27 @@ def _after(previous: futures.Future | None, fn, *args):
     return fn(*args)
 
 
-class SSDChunk(NamedTuple):
-    key: str  # Store key: the weight's key path and layer.
-    path: tuple  # The weight's key path in the params tree.
-    weight: int  # The weight's index among the params' leaves.
-    layer: int | None  # The layer of a stacked weight, None for an unstacked one.
-    master: jax.ShapeDtypeStruct  # With its sharding on the device, where the update runs.
-    state: object  # The chunk's optimizer state, of ShapeDtypeStructs likewise.
-
-    @property
-    def master_sharding(self):
-        return self.master.sharding
-
-    @property
-    def state_sharding(self):
-        return jax.tree.map(lambda x: x.sharding, self.state)
-
-
 class SSDTier:
-    """The update chunks the plan put on disk, and their update, run after each step's jitted
-    program: chunk k + `prefetch` is read while chunk k is updated on the device, and written
-    back while the next ones are updated. Masters stay float32 on disk; `compress` keeps the
-    optimizer state in bfloat16."""
+    """The update chunks (`stream.Chunk`s) the plan put on disk: masters stay float32 there;
+    `compress` keeps the optimizer state in bfloat16. `StreamedUpdate` reads them ahead of
+    their update and writes them back behind it."""
 
-    def __init__(self, directory, compress: bool, chunks: list[SSDChunk], optimizer, prefetch=4):
+    def __init__(self, directory, compress: bool, chunks: list):
         directory = pathlib.Path(directory)
         self.masters = SSDStore(directory / "masters")
         self.states = SSDStore(directory / "optimizer_state", compress)
-        self.chunks, self.optimizer, self.prefetch = chunks, optimizer, prefetch
+        self.chunks = chunks
         self.by_key = {(jax.tree_util.keystr(c.path), c.layer): c for c in chunks}
-        self._update_fns = {}
 
-    def put(self, chunk: SSDChunk, master, state) -> None:
-        self.masters.write(chunk.key, master)
-        self.states.write(chunk.key, state)
+    def put(self, chunk, master, state) -> tuple[futures.Future, futures.Future]:
+        return self.masters.write(chunk.key, master), self.states.write(chunk.key, state)
 
-    def _read(self, chunk: SSDChunk):
+    def read(self, chunk) -> tuple[futures.Future, futures.Future]:
         return self.masters.read(chunk.key), self.states.read(chunk.key)
 
     def read_all(self) -> list:
         """Every chunk's (master, state) as numpy arrays, in order."""
-        reads = [self._read(c) for c in self.chunks]
+        reads = [self.read(c) for c in self.chunks]
         return [(m.result(), s.result()) for m, s in reads]
 
     @property
@@ -239,42 +219,6 @@ class SSDTier:
     def wait(self) -> None:
         self.masters.wait()
         self.states.wait()
-
-    def update(self, compute: list, grads, scale) -> list:
-        """Updates every chunk with its grad (clipped by `scale`); returns `compute` (the
-        params' compute copies, flat) with each chunk's new copy written in."""
-        reads = [self._read(c) for c in self.chunks[: self.prefetch]]
-        for k, (chunk, grad) in enumerate(zip(self.chunks, grads, strict=True)):
-            if k + self.prefetch < len(self.chunks):
-                reads.append(self._read(self.chunks[k + self.prefetch]))
-            master, state = (f.result() for f in reads[k])
-            reads[k] = None  # Let its host arrays go.
-            old = compute[chunk.weight]
-            new_master, new_state, compute[chunk.weight] = self._update_fn(chunk, old)(
-                grad, scale, master, state, old, chunk.layer or 0
-            )
-            self.put(chunk, new_master, new_state)
-        return compute
-
-    def _update_fn(self, chunk: SSDChunk, old):
-        key = (chunk.path, chunk.layer is None)  # One program per weight, not per layer.
-        if key not in self._update_fns:
-
-            def update(grad, scale, master, state, old, layer):
-                grad = jax.device_put(grad, jax.memory.Space.Device).astype(np.float32)
-                master, state = self.optimizer.update_leaf(chunk.path, grad * scale, state, master)
-                new = master.astype(old.dtype)
-                if chunk.layer is not None:
-                    new = jax.lax.dynamic_update_index_in_dim(old, new, layer, 0)
-                return master, state, new
-
-            self._update_fns[key] = jax.jit(
-                update,
-                in_shardings=(None, None, chunk.master_sharding, chunk.state_sharding, None, None),
-                out_shardings=(chunk.master_sharding, chunk.state_sharding, old.sharding),
-                donate_argnums=4,  # The compute copy is updated in place.
-            )
-        return self._update_fns[key]
 
     def close(self) -> None:
         self.masters.close()
