@@ -32,6 +32,8 @@ VARIANTS = [
 BASELINES = [
     ("plain-jax", ["plain_jax_llama.py"]),
     ("plain-jax batch16 remat", ["plain_jax_llama.py", "--batch", "16", "--remat"]),
+    ("hf-eager", ["hf_torch_llama.py"]),
+    ("hf-compile", ["hf_torch_llama.py", "--compile"]),
 ]
 
 
@@ -152,6 +154,26 @@ def write_results(path: str, results: list[dict]) -> None:
     print(f"wrote {out}")
 
 
+def print_table(results: list[dict]) -> None:
+    """tokens/s, MFU and peak memory per system, and its tokens/s over each baseline's (the
+    baselines' default-shape runs: plain-jax, hf-eager, hf-compile)."""
+    names = ("plain-jax", "hf-eager", "hf-compile")
+    bases = {r["system"]: r for r in results if r["system"] in names and "tokens_per_s" in r}
+    header = ("system", "batch", "tokens/s", "MFU", "peak GiB", *(f"vs {n}" for n in bases))
+    print("\n{:<40} {:>5} {:>10} {:>7} {:>9}".format(*header[:5]), *header[5:], sep="  ")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['system']:<40} failed: {r.get('error')}")
+            continue
+        batch = r.get("batch") or r.get("shape", {}).get("batch")
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        tps, mfu = f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}"
+        ratios = [
+            f"{r['tokens_per_s'] / b['tokens_per_s']:>{len(n) + 3}.3f}" for n, b in bases.items()
+        ]
+        print(f"{r['system']:<40} {batch:>5} {tps:>10} {mfu:>7} {peak:>9}", *ratios, sep="  ")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
@@ -182,18 +204,7 @@ def main() -> int:
             results.append({**run(full, args.baselines), "system": name, "command": " ".join(cmd)})
             print(json.dumps(results[-1]), flush=True)
 
-    base = next((r for r in results if r["system"] == "plain-jax" and "tokens_per_s" in r), None)
-    header = ("system", "batch", "tokens/s", "MFU", "peak GiB", "vs plain-jax")
-    print("\n{:<40} {:>5} {:>10} {:>7} {:>9} {:>13}".format(*header))
-    for r in results:
-        if "tokens_per_s" not in r:
-            print(f"{r['system']:<40} failed: {r.get('error')}")
-            continue
-        batch = r.get("batch") or r.get("shape", {}).get("batch")
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else "-"
-        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
-        tps, mfu = f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}"
-        print(f"{r['system']:<40} {batch:>5} {tps:>10} {mfu:>7} {peak:>9} {ratio:>13}")
+    print_table(results)
     write_results(args.out, results)
     return 0
 
