@@ -41,6 +41,12 @@ def default_config() -> ml_collections.ConfigDict:
     # none | full | dots | dots_no_batch | offload_dots (models/llama.py REMAT_POLICIES).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
+    # Ring attention's (context axis) block math: xla (einsum) | pallas (kernels_pallas flash
+    # blocks; interpreted on CPU, not yet measured on GPU).
+    c.model.ring_blocks = "xla"
+    # LM head + cross entropy over this many slices of the sequence, one at a time (recomputed
+    # in the backward pass): the float32 logits of the whole sequence never exist at once.
+    c.model.logits_chunks = 1
     c.model.sequence_parallel = False  # Megatron-style: norm regions sharded over `tensor`.
     c.model.scan_layers = True
 
@@ -235,6 +241,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")
     if m.attention not in ("auto", "cudnn", "xla"):
         raise ConfigError(f"config.model.attention={m.attention!r}: use auto, cudnn or xla")
+    if m.ring_blocks not in ("xla", "pallas"):
+        raise ConfigError(f"config.model.ring_blocks={m.ring_blocks!r}: use xla or pallas")
     if m.dtype not in ("bfloat16", "float32", "float16"):
         raise ConfigError(f"config.model.dtype={m.dtype!r}: use bfloat16, float16 or float32")
     if t.batch_size % t.microbatches:

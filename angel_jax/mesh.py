@@ -15,8 +15,6 @@ AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
 _NOT_YET = {
     "pipeline": "pipeline parallelism",
     "expert": "expert parallelism",
-    "context": "context parallelism (ring attention)",
-    "sequence": "Ulysses sequence parallelism",
 }
 
 

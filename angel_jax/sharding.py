@@ -40,6 +40,10 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
     m, t = config.model, config.train
     tp, dp = mesh.shape["tensor"], mesh.shape["data"]
     _check_divisible("config.model.num_heads", m.num_heads, "config.mesh.tensor", tp)
+    if mesh.shape["sequence"] > 1:  # Ulysses splits each tensor rank's heads further.
+        sp = mesh.shape["sequence"]
+        names = "config.mesh.tensor x config.mesh.sequence"
+        _check_divisible("config.model.num_heads", m.num_heads, names, tp * sp)
     _check_divisible("config.model.ffn_dim", m.ffn_dim, "config.mesh.tensor", tp)
     _check_divisible("config.model.vocab_size", m.vocab_size, "config.mesh.tensor", tp)
     _check_divisible(
@@ -48,8 +52,22 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "config.mesh.data",
         dp,
     )
-    if m.sequence_parallel:
-        _check_divisible("config.train.seq_len", t.seq_len, "config.mesh.tensor", tp)
+    # Sequence split over `context` (ring attention) and `sequence` (Ulysses), and in norm
+    # regions also over `tensor` under Megatron sequence parallel.
+    split = tuple(a for a in ("context", "sequence") if mesh.shape[a] > 1)
+    norm_split = split + (("tensor",) if m.sequence_parallel and tp > 1 else ())
+    ways = math.prod(mesh.shape[a] for a in norm_split)
+    names = " x ".join(f"config.mesh.{a}" for a in norm_split)
+    _check_divisible("config.train.seq_len", t.seq_len, names, ways)
+    if m.logits_chunks > 1:
+        chunks = ways * m.logits_chunks
+        _check_divisible(
+            "config.train.seq_len", t.seq_len, f"config.model.logits_chunks x {names}", chunks
+        )
+    if mesh.shape["context"] > 1:  # Zigzag: 2 chunks per context rank, each split further.
+        _check_divisible(
+            "config.train.seq_len", t.seq_len, f"2 x {names} (ring attention's zigzag)", 2 * ways
+        )
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
         raise ConfigError(
             f"config.model.num_kv_heads={m.num_kv_heads} and config.mesh.tensor={tp}: one must "
@@ -57,8 +75,8 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         )
     return {
         "batch": "data",
-        "length": None,
-        "norm_length": "tensor" if m.sequence_parallel else None,
+        "length": _axes(split),
+        "norm_length": _axes(norm_split),
         "embed": None,
         "heads": "tensor",
         # Fewer KV heads than tensor ranks: each rank computes all KV heads (they are cheap
@@ -69,6 +87,21 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "vocab": "tensor",
         "layers": None,
     }
+
+
+def _axes(names: tuple[str, ...]):
+    """A rule's mesh axes: None, one name, or a tuple (major to minor)."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh of the active rules (None outside `use_rules`)."""
+    return _active[-1][0] if _active else None
+
+
+def active_spec(axes: tuple[str | None, ...]) -> P:
+    """The PartitionSpec of logical `axes` under the active rules."""
+    return logical_to_spec(axes, _active[-1][1])
 
 
 def _check_divisible(name: str, value: int, axis_name: str, size: int) -> None:

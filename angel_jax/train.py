@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
-from angel_jax.models.llama import Llama, LlamaConfig
+from angel_jax.models.llama import Llama, LlamaConfig, lm_head_kernel
 from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import (
@@ -39,6 +39,7 @@ from angel_jax.offload.stream import (
     unstack_like,
 )
 from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
+from angel_jax.parallel.attention import zigzag_order
 
 
 @flax.struct.dataclass
@@ -58,6 +59,36 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float):
     target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     loss = jnp.mean(logz_BT - target_logit)
     z = jnp.mean(jnp.square(logz_BT))
+    return loss + z_loss * z, dict(loss=loss, z_loss=z)
+
+
+def chunked_cross_entropy(
+    h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, z_loss: float, chunks: int
+):
+    """`cross_entropy` of the logits h @ head, a slice of the sequence at a time under remat,
+    so only one slice's float32 logits exist at once (forward and backward). Each slice takes
+    the same share of every device's positions when the sequence is split over devices."""
+    b, t, d = h_BTD.shape
+    ways = 1  # Devices the sequence is split over: each slice keeps that split.
+    for axis in jax.tree.leaves(sharding.rule("length")):
+        ways *= sharding.active_mesh().shape[axis]
+    per = t // (ways * chunks)
+    # (B, ways, chunks, per, ...) with the chunk axis first, for the scan.
+    h_NBWPD = h_BTD.reshape(b, ways, chunks, per, d).transpose(2, 0, 1, 3, 4)
+    t_NBWP = targets_BT.reshape(b, ways, chunks, per).transpose(2, 0, 1, 3)
+
+    @jax.checkpoint
+    def step(sums, xs):
+        h_BWPD, t_BWP = xs
+        logits = jnp.einsum("bwpd,dv->bwpv", h_BWPD, head_DV).astype(jnp.float32)
+        logits = sharding.constrain(logits, ("batch", "length", None, "vocab"))
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t_BWP[..., None], axis=-1)[..., 0]
+        return (sums[0] + jnp.sum(logz - target), sums[1] + jnp.sum(jnp.square(logz))), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (nll, z), _ = jax.lax.scan(step, (zero, zero), (h_NBWPD, t_NBWP))
+    loss, z = nll / (b * t), z / (b * t)
     return loss + z_loss * z, dict(loss=loss, z_loss=z)
 
 
@@ -82,10 +113,11 @@ class Experiment:
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
         rng = jax.random.key(self.config.seed if seed is None else seed)
-        with sharding.use_rules(self.mesh, self.rules):
-            if not self.plan.offloads_optimizer:
-                return jax.jit(self._init, out_shardings=self.state_sharding)(rng)
-            return self._init_offloaded(rng)
+        # No activation rules: the init's forward pass (one row, only for the params' shapes)
+        # need not be laid out, and one row cannot be split over `data`.
+        if not self.plan.offloads_optimizer:
+            return jax.jit(self._init, out_shardings=self.state_sharding)(rng)
+        return self._init_offloaded(rng)
 
     def _init_params(self, rng):
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
@@ -256,8 +288,18 @@ class Experiment:
         return state
 
     def loss(self, params, tokens_BT1: jax.Array):
-        logits = self.model.apply({"params": params}, tokens_BT1[:, :-1])
-        return cross_entropy(logits, tokens_BT1[:, 1:], self.config.train.z_loss)
+        inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+        if self.mesh.shape["context"] > 1:  # Ring attention's zigzag order (a mean is blind
+            # to the order of its terms).
+            order = zigzag_order(inputs_BT.shape[1], self.mesh.shape["context"])
+            inputs_BT, targets_BT = inputs_BT[:, order], targets_BT[:, order]
+        z_loss, chunks = self.config.train.z_loss, self.model_config.logits_chunks
+        if chunks > 1:
+            h_BTD = self.model.apply({"params": params}, inputs_BT, hidden=True)
+            head = lm_head_kernel(self.model_config, params)
+            return chunked_cross_entropy(h_BTD, head, targets_BT, z_loss, chunks)
+        logits = self.model.apply({"params": params}, inputs_BT)
+        return cross_entropy(logits, targets_BT, z_loss)
 
     def loss_and_grads(self, params, batch_BT1: jax.Array):
         """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or

@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import sharding
 from angel_jax.layers.linear import Linear
+from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_order
 from angel_jax.sharding import constrain
 
 
@@ -34,6 +35,7 @@ class Attention(nn.Module):
     rope_theta: float = 10000.0
     implementation: str | None = None  # jax.nn.dot_product_attention's: None (XLA) or "cudnn".
     dtype: jnp.dtype = jnp.bfloat16
+    ring_blocks: str = "xla"  # Ring attention's block math (context axis): "xla" or "pallas".
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -42,7 +44,12 @@ class Attention(nn.Module):
         k_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="key")(x_BTD)
         v_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="value")(x_BTD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
-        positions = jnp.arange(x_BTD.shape[1])
+        length = x_BTD.shape[1]
+        mesh, split = sharding.active_mesh(), sharding.rule("length")
+        positions = jnp.arange(length)
+        if split and "context" in (split if isinstance(split, tuple) else (split,)):
+            # Ring attention's zigzag: the model sees its tokens in this order.
+            positions = jnp.asarray(zigzag_order(length, mesh.shape["context"]))
         q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
         k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
@@ -55,9 +62,21 @@ class Attention(nn.Module):
         else:
             kv_axes = ("batch", "length", "kv_heads", "head_dim")
         k_BTKH, v_BTKH = constrain(k_BTKH, kv_axes), constrain(v_BTKH, kv_axes)
-        o_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=self.implementation
-        )
+        if split:  # The sequence is split over devices: ring and/or Ulysses attention.
+            spec = sharding.active_spec(("batch", "length", "heads", "head_dim"))
+            o_BTNH = sequence_parallel_attention(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                mesh,
+                spec,
+                implementation=self.implementation,
+                ring_blocks=self.ring_blocks,
+            )
+        else:
+            o_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=self.implementation
+            )
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )

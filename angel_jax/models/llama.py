@@ -43,6 +43,8 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     remat: str = "none"
     attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
+    ring_blocks: str = "xla"  # Ring attention's block math: "xla" or "pallas".
+    logits_chunks: int = 1  # LM head + loss over this many sequence slices, one at a time.
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
     # copies its layer's to the device (and, in the backward pass, its grads back).
@@ -71,7 +73,9 @@ class LlamaConfig:
             tie_embeddings=model.tie_embeddings,
             dtype=model.dtype,
             remat=model.remat,
+            logits_chunks=model.logits_chunks,
             attention=None if attention == "xla" else attention,
+            ring_blocks=model.ring_blocks,
             scan_layers=model.scan_layers,
         )
 
@@ -110,6 +114,7 @@ class DecoderLayer(nn.Module):
             cfg.rope_theta,
             cfg.attention,
             dtype,
+            cfg.ring_blocks,
             name="attn",
         )(x)
         h_BTD = constrain(h_BTD + attn, ("batch", "norm_length", "embed"))
@@ -125,7 +130,9 @@ class Llama(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, hidden: bool = False) -> jax.Array:
+        """Logits (B, T, V) float32, or with `hidden` the final normed states (B, T, D) that
+        the LM head (`lm_head_kernel`) turns into them."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
         h_BTD = constrain(embed(tokens_BT), ("batch", "norm_length", "embed"))
@@ -154,8 +161,19 @@ class Llama(nn.Module):
 
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
         h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+        if hidden:
+            return h_BTD
         if cfg.tie_embeddings:
             logits = embed.attend(h_BTD)
         else:
             logits = Linear((cfg.vocab_size,), ("embed", "vocab"), dtype, name="lm_head")(h_BTD)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def lm_head_kernel(cfg: LlamaConfig, params) -> jax.Array:
+    """The LM head as a (D, V) matrix in the compute dtype: the `lm_head` kernel, or the
+    embedding table when tied (what `Llama` applies to the final states)."""
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.tie_embeddings:
+        return constrain(params["embed"]["embedding"].astype(dtype), ("vocab", "embed")).T
+    return constrain(params["lm_head"]["kernel"].astype(dtype), ("embed", "vocab"))

@@ -1,0 +1,192 @@
+"""Ring attention (context) and Ulysses (sequence) equal attention on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from angel_jax.config import ConfigError
+from angel_jax.parallel.attention import _Ring, sequence_parallel_attention, zigzag_order
+from tests.test_train_parity import run_steps, small_config
+
+AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
+
+
+def mesh_of(**sizes):
+    shape = tuple(sizes.get(a, 1) for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def inputs(batch=2, length=32, heads=4, kv_heads=2, head_dim=8, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, length, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, length, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, length, kv_heads, head_dim), dtype)
+    do = jax.random.normal(keys[3], q.shape, dtype)
+    return q, k, v, do
+
+
+def reference(q, k, v, causal):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+
+def check(mesh, spec, causal, dtype=jnp.float32, tol=2e-5, ring_blocks="xla", **shape):
+    """Outputs and grads of the split attention (inputs in zigzag order when the ring is
+    causal) against one-device attention in natural order."""
+    q, k, v, do = inputs(dtype=dtype, **shape)
+    length = q.shape[1]
+    ring = "context" in (spec[1] if isinstance(spec[1], tuple) else (spec[1],))
+    order = zigzag_order(length, mesh.shape["context"]) if ring and causal else np.arange(length)
+    inverse = np.argsort(order)
+
+    def split(q, k, v):
+        place = lambda x: jax.device_put(x[:, order], NamedSharding(mesh, spec))
+        out = sequence_parallel_attention(
+            place(q), place(k), place(v), mesh, spec, causal=causal, ring_blocks=ring_blocks
+        )
+        return out[:, inverse]
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    ref_out = reference(q, k, v, causal)
+    out = jax.jit(split)(q, k, v)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref_out, np.float32), rtol=tol, atol=tol
+    )
+    ref_grads = jax.grad(lambda *a: loss(lambda *b: reference(*b, causal), *a), (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda *a: loss(split, *a), (0, 1, 2)))(q, k, v)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol
+        )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_ring_attention_equals_full_attention(causal, kv_heads):
+    mesh = mesh_of(context=4, data=2)
+    check(mesh, P("data", "context", None, None), causal, kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ulysses_equals_full_attention(causal):
+    mesh = mesh_of(sequence=4, data=2)
+    check(mesh, P("data", "sequence", None, None), causal, kv_heads=4)
+    # Two KV heads cannot split four ways: each query head gets its own copy.
+    check(mesh, P("data", "sequence", None, None), causal, kv_heads=2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ulysses_inside_ring_with_tensor_parallel_heads(causal):
+    mesh = mesh_of(context=2, sequence=2, tensor=2)
+    check(mesh, P(None, ("context", "sequence"), "tensor", None), causal, heads=8, kv_heads=4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_with_pallas_blocks(causal):
+    mesh = mesh_of(context=4, data=2)
+    spec = P("data", "context", None, None)
+    check(mesh, spec, causal, ring_blocks="pallas", kv_heads=2, length=64)
+
+
+def test_ring_attention_in_bfloat16():
+    mesh = mesh_of(context=8)
+    check(mesh, P(None, "context", None, None), True, dtype=jnp.bfloat16, tol=3e-2, length=64)
+
+
+def test_uneven_heads_are_refused():
+    mesh = mesh_of(sequence=4, data=2)
+    q, k, v, _ = inputs(heads=6, kv_heads=2)
+    with pytest.raises(ConfigError, match=r"num_heads=6 is not divisible by .* 1 x 4"):
+        sequence_parallel_attention(q, k, v, mesh, P("data", "sequence", None, None))
+    with pytest.raises(ConfigError, match=r"seq_len=30 is not divisible by 2 x config.mesh"):
+        zigzag_order(30, 4)
+
+
+def test_zigzag_order_puts_chunks_i_and_2n_minus_1_minus_i_on_rank_i():
+    order = zigzag_order(16, 4).reshape(4, 2, 2)  # ranks x its two chunks x chunk length
+    for rank in range(4):
+        assert order[rank, 0, 0] == 2 * rank and order[rank, 1, 0] == 2 * (7 - rank)
+
+
+def test_zigzag_balances_causal_work():
+    """Work per ring step and rank, in units of one full chunk x chunk block (a causal
+    diagonal block is half of one), from the schedule the ring runs: equal on every rank at
+    every step. Without zigzag (rank i holding contiguous chunk i), rank i would do i + 1/2
+    of the N + 1/2 units of its last rank: up to 2N - 1 times the least loaded."""
+    n = 4
+    mesh = mesh_of(context=n, data=2)
+    units = jnp.array([2.0, 2.0, 2.0, 4.0])  # Diagonal (0.5 + 1 + 0.5), before, after, full.
+
+    def schedule(_):
+        ring = _Ring("context", causal=True, length=2)
+        return jnp.stack([units[ring.pairs(s)[0]] for s in range(n)])[None]
+
+    work = jax.shard_map(
+        schedule, mesh=mesh, in_specs=P("context"), out_specs=P("context"), check_vma=False
+    )(jnp.zeros(n))
+    work = np.asarray(work)  # (rank, step)
+    assert work.shape == (n, n)
+    assert (work == 2.0).all(), work
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return run_steps(small_config(mesh__data=1), jax.devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        dict(data=2, context=4),
+        dict(data=2, sequence=4),
+        dict(data=2, context=2, sequence=2),
+        dict(context=2, sequence=2, tensor=2),
+    ],
+    ids=lambda m: "x".join(f"{a}{n}" for a, n in m.items()),
+)
+def test_training_with_a_split_sequence_equals_one_device(one_device_run, mesh):
+    config = small_config(**{f"mesh__{a}": n for a, n in mesh.items()})
+    _, grads, losses, params = run_steps(config, jax.devices())
+    _, ref_grads, ref_losses, ref_params = one_device_run
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    jax.tree.map(close, grads, ref_grads)
+    jax.tree.map(close, params, ref_params)
+
+
+def test_sequence_split_errors_name_the_settings():
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    config = small_config(mesh__data=2, mesh__context=4, train__seq_len=36)
+    with pytest.raises(ConfigError, match=r"seq_len=36 is not divisible by .*context"):
+        build(config, make_mesh(config.mesh))
+    config = small_config(
+        mesh__data=2, mesh__sequence=4, model__num_heads=6, model__num_kv_heads=2, model__d_model=48
+    )
+    with pytest.raises(ConfigError, match=r"num_heads=6 is not divisible by .*sequence=4"):
+        build(config, make_mesh(config.mesh))
+
+
+@pytest.mark.parametrize(
+    "mesh, tie",
+    [(dict(data=8), False), (dict(data=2, context=2, tensor=2), True)],
+    ids=["data8", "data2xcontext2xtensor2-tied"],
+)
+def test_chunked_logits_give_the_same_loss_and_grads(mesh, tie):
+    """The LM head and loss a sequence slice at a time equal the whole-sequence ones."""
+    axes = {f"mesh__{a}": n for a, n in mesh.items()}
+    whole = small_config(**axes, model__tie_embeddings=tie, train__z_loss=1e-3)
+    chunked = small_config(
+        **axes, model__tie_embeddings=tie, train__z_loss=1e-3, model__logits_chunks=4
+    )
+    _, grads, losses, params = run_steps(chunked, jax.devices())
+    _, ref_grads, ref_losses, ref_params = run_steps(whole, jax.devices())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    jax.tree.map(close, grads, ref_grads)
+    jax.tree.map(close, params, ref_params)
