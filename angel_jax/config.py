@@ -47,6 +47,15 @@ def default_config() -> ml_collections.ConfigDict:
     # LM head + cross entropy over this many slices of the sequence, one at a time (recomputed
     # in the backward pass): the float32 logits of the whole sequence never exist at once.
     c.model.logits_chunks = 1
+    # Mixture of experts in every layer's MLP (angel_jax/layers/moe.py); 0 experts: dense.
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2
+    c.model.moe_ffn_dim = 0  # Each expert's hidden size; 0: ffn_dim.
+    c.model.router = "topk"  # topk (capacity, drops) | expert_choice | dropless.
+    c.model.capacity_factor = 1.25  # Slots per expert over the even share of assignments.
+    c.model.shared_experts = 0  # Dense experts every token goes through (DeepSeek style).
+    c.model.router_z_loss = 1e-3  # Weight of the router z-loss in the training loss.
+    c.model.load_balance_loss = 1e-2  # Weight of the load-balancing loss.
     c.model.sequence_parallel = False  # Megatron-style: norm regions sharded over `tensor`.
     c.model.scan_layers = True
 
@@ -241,6 +250,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")
     if m.attention not in ("auto", "cudnn", "xla"):
         raise ConfigError(f"config.model.attention={m.attention!r}: use auto, cudnn or xla")
+    if m.router not in ("topk", "expert_choice", "dropless"):
+        raise ConfigError(f"config.model.router={m.router!r}: use topk, expert_choice or dropless")
+    if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(
+            f"config.model.experts_per_token={m.experts_per_token}: must be between 1 and "
+            f"config.model.num_experts={m.num_experts}"
+        )
     if m.ring_blocks not in ("xla", "pallas"):
         raise ConfigError(f"config.model.ring_blocks={m.ring_blocks!r}: use xla or pallas")
     if m.dtype not in ("bfloat16", "float32", "float16"):

@@ -14,7 +14,6 @@ AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
 # Axes whose parallelism is not built yet; a size > 1 would silently replicate work.
 _NOT_YET = {
     "pipeline": "pipeline parallelism",
-    "expert": "expert parallelism",
 }
 
 

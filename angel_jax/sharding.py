@@ -30,6 +30,7 @@ LOGICAL_AXES = (
     "mlp",
     "vocab",
     "layers",
+    "expert",  # Experts of a mixture-of-experts layer.
 )
 
 Rules = dict[str, str | tuple[str, ...] | None]
@@ -38,7 +39,7 @@ Rules = dict[str, str | tuple[str, ...] | None]
 def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
     """The logical -> mesh axis table for this config, after checking every divisibility."""
     m, t = config.model, config.train
-    tp, dp = mesh.shape["tensor"], mesh.shape["data"]
+    tp = mesh.shape["tensor"]
     _check_divisible("config.model.num_heads", m.num_heads, "config.mesh.tensor", tp)
     if mesh.shape["sequence"] > 1:  # Ulysses splits each tensor rank's heads further.
         sp = mesh.shape["sequence"]
@@ -46,11 +47,21 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         _check_divisible("config.model.num_heads", m.num_heads, names, tp * sp)
     _check_divisible("config.model.ffn_dim", m.ffn_dim, "config.mesh.tensor", tp)
     _check_divisible("config.model.vocab_size", m.vocab_size, "config.mesh.tensor", tp)
+    ep = mesh.shape["expert"]
+    if ep > 1:
+        if not m.num_experts:
+            raise ConfigError(
+                f"config.mesh.expert={ep} needs a mixture-of-experts model: set "
+                "config.model.num_experts, or config.mesh.expert=1"
+            )
+        _check_divisible("config.model.num_experts", m.num_experts, "config.mesh.expert", ep)
+    # Expert parallel ranks also split the batch: tokens travel to their experts' ranks.
+    batch_axes = ("data", "expert") if ep > 1 else ("data",)
     _check_divisible(
         "config.train.batch_size / config.train.microbatches",
         t.batch_size // t.microbatches,
-        "config.mesh.data",
-        dp,
+        " x ".join(f"config.mesh.{a}" for a in batch_axes),
+        math.prod(mesh.shape[a] for a in batch_axes),
     )
     # Sequence split over `context` (ring attention) and `sequence` (Ulysses), and in norm
     # regions also over `tensor` under Megatron sequence parallel.
@@ -74,7 +85,7 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
             "divide the other (KV heads are split over tensor, or replicated when fewer)"
         )
     return {
-        "batch": "data",
+        "batch": _axes(batch_axes),
         "length": _axes(split),
         "norm_length": _axes(norm_split),
         "embed": None,
@@ -86,6 +97,7 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "mlp": "tensor",
         "vocab": "tensor",
         "layers": None,
+        "expert": "expert" if ep > 1 else None,
     }
 
 

@@ -295,11 +295,31 @@ class Experiment:
             inputs_BT, targets_BT = inputs_BT[:, order], targets_BT[:, order]
         z_loss, chunks = self.config.train.z_loss, self.model_config.logits_chunks
         if chunks > 1:
-            h_BTD = self.model.apply({"params": params}, inputs_BT, hidden=True)
+            h_BTD, moe = self.model.apply(
+                {"params": params}, inputs_BT, hidden=True, mutable="intermediates"
+            )
             head = lm_head_kernel(self.model_config, params)
-            return chunked_cross_entropy(h_BTD, head, targets_BT, z_loss, chunks)
-        logits = self.model.apply({"params": params}, inputs_BT)
-        return cross_entropy(logits, targets_BT, z_loss)
+            loss, metrics = chunked_cross_entropy(h_BTD, head, targets_BT, z_loss, chunks)
+            return self._with_router_losses(loss, metrics, moe)
+        logits, moe = self.model.apply({"params": params}, inputs_BT, mutable="intermediates")
+        loss, metrics = cross_entropy(logits, targets_BT, z_loss)
+        return self._with_router_losses(loss, metrics, moe)
+
+    def _with_router_losses(self, loss, metrics, variables):
+        """Adds a mixture of experts' router losses (weighted) to the loss, and to the metrics
+        their values and the share of dropped assignments, averaged over the layers."""
+        if not self.model_config.num_experts:
+            return loss, metrics
+        (stats,) = variables["intermediates"]["moe"]
+        m = self.config.model
+        z, balance = jnp.mean(stats["router_z_loss"]), jnp.mean(stats["load_balance_loss"])
+        assignments = jnp.sum(stats["expert_load"])
+        metrics.update(
+            router_z_loss=z,
+            load_balance_loss=balance,
+            dropped_fraction=jnp.sum(stats["dropped"]) / jnp.maximum(assignments, 1.0),
+        )
+        return loss + m.router_z_loss * z + m.load_balance_loss * balance, metrics
 
     def loss_and_grads(self, params, batch_BT1: jax.Array):
         """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
@@ -320,7 +340,8 @@ class Experiment:
             grads = self._accumulate(acc_grads, self._constrain_grads(grads), 1.0 / micro)
             return (jax.tree.map(jnp.add, acc_metrics, metrics), grads), None
 
-        metrics0 = dict(loss=jnp.zeros(()), z_loss=jnp.zeros(()))
+        shapes = jax.eval_shape(lambda: self.loss(params, micro_MBT[0])[1])
+        metrics0 = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes)
         (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zero_grads()), micro_MBT)
         return jax.tree.map(lambda m: m / micro, metrics), grads
 

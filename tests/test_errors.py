@@ -102,7 +102,6 @@ def test_mesh_shape_resolves_free_axis(sizes, devices, expected):
         (dict(data=8, tensor=0), ["config.mesh.tensor=0", "positive or -1"]),
         (dict(data=-1, tensor=-2), ["config.mesh.tensor=-2"]),
         (dict(data=4, pipeline=2), ["config.mesh.pipeline=2", "not implemented", "set it to 1"]),
-        (dict(data=4, expert=2), ["config.mesh.expert=2", "set it to 1"]),
     ],
 )
 def test_bad_mesh_sizes(sizes, names):

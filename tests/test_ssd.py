@@ -156,3 +156,14 @@ def test_worker_exception_surfaces_from_wait(tmp_path):
         store.read("k").result()
     assert store.keys() == []
     store.close()
+
+
+def test_a_truncated_file_is_an_error_not_garbage(tmp_path):
+    store = SSDStore(tmp_path)
+    store.write("k", {"x": np.arange(1000, dtype=np.float32)})
+    store.wait()
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".npy"]
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(OSError, match="998 values, wrote 1000"):
+        store.read("k").result()
+    store.close()

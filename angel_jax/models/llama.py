@@ -9,6 +9,7 @@ from flax import linen as nn
 
 from angel_jax.config import ConfigError, head_dim
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
+from angel_jax.layers.moe import MoE
 from angel_jax.sharding import constrain
 
 # Activations the layers name (checkpoint_name) so remat policies can save or offload them.
@@ -45,6 +46,12 @@ class LlamaConfig:
     attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
     ring_blocks: str = "xla"  # Ring attention's block math: "xla" or "pallas".
     logits_chunks: int = 1  # LM head + loss over this many sequence slices, one at a time.
+    num_experts: int = 0  # Mixture of experts in the MLPs; 0: dense.
+    experts_per_token: int = 2
+    moe_ffn_dim: int = 0
+    router: str = "topk"
+    capacity_factor: float = 1.25
+    shared_experts: int = 0
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
     # copies its layer's to the device (and, in the backward pass, its grads back).
@@ -74,6 +81,12 @@ class LlamaConfig:
             dtype=model.dtype,
             remat=model.remat,
             logits_chunks=model.logits_chunks,
+            num_experts=model.num_experts,
+            experts_per_token=model.experts_per_token,
+            moe_ffn_dim=model.moe_ffn_dim or model.ffn_dim,
+            router=model.router,
+            capacity_factor=model.capacity_factor,
+            shared_experts=model.shared_experts,
             attention=None if attention == "xla" else attention,
             ring_blocks=model.ring_blocks,
             scan_layers=model.scan_layers,
@@ -83,6 +96,9 @@ class LlamaConfig:
         """Parameters that take part in matmuls: the layers and the LM head, not the lookup."""
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.d_model * self.ffn_dim
+        if self.num_experts:  # Active parameters: the experts a token goes through.
+            experts = self.experts_per_token + self.shared_experts
+            mlp = experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.num_experts
         return self.num_layers * (attn + mlp) + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -117,11 +133,24 @@ class DecoderLayer(nn.Module):
             cfg.ring_blocks,
             name="attn",
         )(x)
-        h_BTD = constrain(h_BTD + attn, ("batch", "norm_length", "embed"))
+        residual = ("batch", "norm_length", "embed")
+        h_BTD = constrain(h_BTD + attn, residual)
         x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
-        h_BTD = h_BTD + SwiGLU(cfg.ffn_dim, dtype, name="mlp")(x)
-        return constrain(h_BTD, ("batch", "norm_length", "embed")), None
+        if not cfg.num_experts:
+            return constrain(h_BTD + SwiGLU(cfg.ffn_dim, dtype, name="mlp")(x), residual), {}
+        y, stats = MoE(
+            cfg.num_experts,
+            cfg.experts_per_token,
+            cfg.moe_ffn_dim,
+            cfg.router,
+            cfg.capacity_factor,
+            dtype,
+            name="moe",
+        )(x)
+        if cfg.shared_experts:
+            y = y + SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype, name="shared")(x)
+        return constrain(h_BTD + y, residual), stats
 
 
 class Llama(nn.Module):
@@ -154,10 +183,15 @@ class Llama(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            h_BTD, _ = stack(cfg, name="layers")(h_BTD)
+            h_BTD, stats = stack(cfg, name="layers")(h_BTD)
         else:
+            per_layer = []
             for i in range(cfg.num_layers):
-                h_BTD, _ = layer(cfg, name=f"layer_{i}")(h_BTD)
+                h_BTD, layer_stats = layer(cfg, name=f"layer_{i}")(h_BTD)
+                per_layer.append(layer_stats)
+            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        if cfg.num_experts:  # Router losses and load, per layer, for the loss and metrics.
+            self.sow("intermediates", "moe", stats)
 
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
         h_BTD = constrain(h_BTD, ("batch", "length", "embed"))

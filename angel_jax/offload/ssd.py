@@ -9,9 +9,11 @@ updates the current one. Operations on one key run in the order they were issued
 import concurrent.futures as futures
 import functools
 import hashlib
+import math
 import os
 import pathlib
 import re
+import struct
 import tempfile
 import threading
 from typing import NamedTuple
@@ -172,12 +174,27 @@ class SSDStore:
         stem = self._stem(key)
         leaves = []
         for i, (dtype, shape) in enumerate(zip(entry.dtypes, entry.shapes, strict=True)):
-            x = np.load(f"{stem}.{i}.npy", allow_pickle=False)
-            x = x.view(self._disk_dtype(dtype)).astype(dtype, copy=False)
-            if x.shape != shape:
-                raise OSError(f"{stem}.{i}.npy: shape {x.shape}, wrote {shape}; changed on disk?")
-            leaves.append(x)
+            disk = self._disk_dtype(dtype)
+            stored = np.dtype(f"u{disk.itemsize}") if disk.isbuiltin == 2 else disk
+            x = _load_npy(f"{stem}.{i}.npy", stored, shape)
+            leaves.append(x.view(disk).astype(dtype, copy=False))
         return jax.tree_util.tree_unflatten(entry.treedef, leaves)
+
+
+def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """An .npy file this store wrote, read as `dtype` and `shape` without `np.load`'s header
+    parser: CPython 3.11's AST builder is not thread-safe, and concurrent `np.load` calls on
+    the store's threads raised "SystemError: AST constructor recursion depth mismatch"."""
+    count = math.prod(shape)
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        size = 2 if major == 1 else 4
+        (header,) = struct.unpack("<H" if size == 2 else "<I", f.read(size))
+        f.seek(header, os.SEEK_CUR)
+        x = np.fromfile(f, dtype=dtype, count=count)
+    if x.size != count:
+        raise OSError(f"{path}: {x.size} values, wrote {count}; changed on disk?")
+    return x.reshape(shape)
 
 
 def _after(previous: futures.Future | None, fn, *args):

@@ -1,0 +1,200 @@
+"""Mixture of experts: routers, dispatch, SwiGLU experts, and expert parallelism on `expert`.
+
+Routers (per group of tokens; a group is one sequence, so what is dropped does not depend on
+how the batch is split over devices):
+  topk           each token picks its k best experts (softmax, renormalised over the k); each
+                 expert takes at most `capacity` of a group's assignments, first choices first,
+                 the rest are dropped (their share of the output is zero; the residual carries
+                 the token);
+  expert_choice  each expert picks its `capacity` best tokens of the group (Zhou et al. 2022);
+  dropless       topk with no capacity: assignments sorted by expert, experts applied with a
+                 grouped matmul (`jax.lax.ragged_dot`).
+Expert parallel: the experts' weights are split over `expert`, and so are the tokens (the
+batch axis spans `data` and `expert`). Capacity routers move each group's (expert, slot) buffers
+to the experts' ranks with one all-to-all and back with another; dropless gathers the tokens
+of the `expert` group, applies the local experts, and reduce-scatters the result (no token has
+a fixed slot to send). Tensor parallel splits each expert's hidden dimension over `tensor`.
+
+Losses (returned as metrics and added to the training loss by their weights): the router
+z-loss, mean(logsumexp(logits)^2), which keeps bf16 router logits small (ST-MoE), and the
+load-balancing loss E * sum_e f_e * p_e (Switch), f_e the fraction of assignments to expert e
+and p_e its mean router probability.
+
+Letters: B groups (sequences), T tokens per group, D model dim, E experts, C capacity,
+F expert hidden dim, K experts per token.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from angel_jax import sharding
+
+F32 = jnp.float32
+
+
+def capacity(tokens: int, experts: int, k: int, factor: float) -> int:
+    """Slots per expert and group: factor x the even share of the group's assignments."""
+    return max(1, math.ceil(factor * tokens * k / experts))
+
+
+def route_topk(logits_BTE, k: int, cap: int):
+    """(dispatch (B,T,E,C) in {0,1}, combine (B,T,E,C) weights, load (E,), dropped ())."""
+    b, t, e = logits_BTE.shape
+    probs = jax.nn.softmax(logits_BTE.astype(F32), axis=-1)
+    top_p, top_e = jax.lax.top_k(probs, k)  # (B, T, K)
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    chosen = jax.nn.one_hot(top_e, e, dtype=F32)  # (B, T, K, E)
+    # Slot of each assignment in its expert's buffer: first choices of every token first.
+    order = chosen.transpose(0, 2, 1, 3).reshape(b, k * t, e)
+    slot = (jnp.cumsum(order, axis=1) - 1.0).reshape(b, k, t, e).transpose(0, 2, 1, 3)
+    kept = chosen * (slot < cap)
+    slots = jax.nn.one_hot(jnp.sum(slot * kept, axis=-1).astype(jnp.int32), cap, dtype=F32)
+    dispatch = jnp.einsum("btke,btkc->btec", kept, slots)
+    combine = jnp.einsum("btke,btkc,btk->btec", kept, slots, top_p)
+    load = jnp.sum(chosen, axis=(0, 1, 2))
+    return dispatch, combine, load, jnp.sum(chosen) - jnp.sum(kept)
+
+
+def route_expert_choice(logits_BTE, cap: int):
+    """Each expert takes its `cap` highest-probability tokens of each group."""
+    t = logits_BTE.shape[1]
+    probs = jax.nn.softmax(logits_BTE.astype(F32), axis=-1)
+    top_p, top_t = jax.lax.top_k(probs.swapaxes(1, 2), min(cap, t))  # (B, E, C)
+    dispatch = jax.nn.one_hot(top_t, t, dtype=F32).transpose(0, 3, 1, 2)  # (B, T, E, C)
+    combine = dispatch * top_p[:, None]
+    return dispatch, combine, jnp.sum(dispatch, axis=(0, 1, 3)), jnp.zeros((), F32)
+
+
+def router_losses(logits_BTE, load_E):
+    """(z-loss, load-balancing loss)."""
+    logits = logits_BTE.astype(F32)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    probs = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=(0, 1))
+    fraction = load_E / jnp.maximum(jnp.sum(load_E), 1.0)
+    return z, logits.shape[-1] * jnp.sum(fraction * probs)
+
+
+def _swiglu(x, gate, up, down):
+    """SwiGLU experts: x (..., E, C, D) with weights (E, D, F), (E, D, F), (E, F, D)."""
+    h = jax.nn.silu(jnp.einsum("...ecd,edf->...ecf", x, gate)) * jnp.einsum(
+        "...ecd,edf->...ecf", x, up
+    )
+    return jnp.einsum("...ecf,efd->...ecd", h, down)
+
+
+def _dropless(x_ND, top_e, top_p, gate, up, down, first: int):
+    """Outputs (N, D) of the experts first..first+E_local over rows x with their top-K
+    choices: assignments sorted by expert, grouped matmuls, weighted sum back per row."""
+    n, k = top_e.shape
+    local = gate.shape[0]
+    flat_e = top_e.reshape(-1) - first
+    mine = (flat_e >= 0) & (flat_e < local)
+    key = jnp.where(mine, flat_e, local)  # Other ranks' experts sort last.
+    order = jnp.argsort(key, stable=True)
+    rows = order // k
+    sizes = jnp.sum(jax.nn.one_hot(key, local + 1, dtype=jnp.int32), axis=0)[:local]
+    xs = x_ND[rows]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes)  # Rows past the local groups come out zero.
+    weight = jnp.where(mine, top_p.reshape(-1), 0.0)[order]
+    return jnp.zeros_like(x_ND, F32).at[rows].add(out.astype(F32) * weight[:, None])
+
+
+class MoE(nn.Module):
+    """x (B, T, D) -> (y (B, T, D), metrics). `router`: topk | expert_choice | dropless."""
+
+    num_experts: int
+    experts_per_token: int
+    hidden: int
+    router: str = "topk"
+    capacity_factor: float = 1.25
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        e, d, f = self.num_experts, x_BTD.shape[-1], self.hidden
+        init = lambda fan_in: nn.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+        param = lambda name, shape, axes, fan_in: self.param(
+            name, nn.with_logical_partitioning(init(fan_in), axes), shape, F32
+        )
+        router = param("router", (d, e), ("embed", None), d)
+        gate = param("gate", (e, d, f), ("expert", "embed", "mlp"), d)
+        up = param("up", (e, d, f), ("expert", "embed", "mlp"), d)
+        down = param("down", (e, f, d), ("expert", "mlp", "embed"), f)
+        logits = jnp.einsum("btd,de->bte", x_BTD.astype(F32), router)
+        cast = lambda w: w.astype(self.dtype)
+        y, load, dropped = expert_parallel(
+            self.router,
+            x_BTD.astype(self.dtype),
+            logits,
+            (cast(gate), cast(up), cast(down)),
+            self.experts_per_token,
+            self.capacity_factor,
+        )
+        z, balance = router_losses(logits, load)
+        return y.astype(x_BTD.dtype), dict(
+            router_z_loss=z, load_balance_loss=balance, expert_load=load, dropped=dropped
+        )
+
+
+def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor):
+    """The routed expert outputs (B, T, D) f32, the load per expert (assignments, summed over
+    the batch) and the number of dropped assignments, over the active mesh's `expert` axis (and
+    `tensor` inside each expert) when the rules split the experts, else on one device."""
+    mesh = sharding.active_mesh()
+    split = mesh is not None and sharding.rule("expert") is not None
+    b, t, _ = x_BTD.shape
+    e = logits_BTE.shape[-1]
+    cap = capacity(t, e, k, factor)
+
+    def local(x, logits, gate, up, down):
+        if router == "dropless":
+            top_p, top_e = jax.lax.top_k(jax.nn.softmax(logits.astype(F32), axis=-1), k)
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+            load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
+            rows = lambda a: a.reshape(-1, *a.shape[2:])
+            if not split:
+                out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0)
+                return out.reshape(x.shape), load, jnp.zeros((), F32)
+            # Every rank of the expert group sees the group's tokens, applies its experts.
+            gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)
+            first = jax.lax.axis_index("expert") * gate.shape[0]
+            out = _dropless(
+                rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first
+            )
+            out = jax.lax.psum(out, "tensor")
+            out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+            load = jax.lax.psum(load, ("data", "expert"))
+            return out.reshape(x.shape), load, jnp.zeros((), F32)
+        if router == "expert_choice":
+            dispatch, combine, load, dropped = route_expert_choice(logits, cap)
+        else:
+            dispatch, combine, load, dropped = route_topk(logits, k, cap)
+        xs = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)
+        if split:  # Each group's slots to the ranks of their experts, and back.
+            xs = jax.lax.all_to_all(xs, "expert", split_axis=1, concat_axis=0, tiled=True)
+        out = _swiglu(xs, gate, up, down)
+        if split:
+            out = jax.lax.psum(out, "tensor")
+            out = jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=1, tiled=True)
+            load = jax.lax.psum(load, ("data", "expert"))
+            dropped = jax.lax.psum(dropped, ("data", "expert"))
+        y = jnp.einsum("btec,becd->btd", combine, out.astype(F32))
+        return y, load, dropped
+
+    if not split:
+        return local(x_BTD, logits_BTE, *weights)
+    batch = sharding.active_spec(("batch",))[0]
+    tokens = P(batch, None, None)
+    expert_w = P("expert", None, "tensor")
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, expert_w, expert_w, P("expert", "tensor", None)),
+        out_specs=(tokens, P(), P()),
+        check_vma=False,
+    )(x_BTD, logits_BTE, *weights)
