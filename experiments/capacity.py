@@ -124,24 +124,32 @@ def main() -> int:
     p.add_argument("--only", default="", help="e.g. adamw/optimizer")
     p.add_argument("--out", default=str(ROOT / "experiments/results/capacity.json"))
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--search", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         layers, optimizer, policy = int(a.child[0]), a.child[1], a.child[2]
         print(json.dumps(child(a, layers, optimizer, policy)), flush=True)
+        return 0
+    if a.search:
+        found = deepest(a, *a.search)
+        out = {"error": "no depth fits the budgets"} if found is None else {"layers": found[0]}
+        print(json.dumps(out if found is None else {**out, **found[1]}))
         return 0
 
     results = []
     for optimizer, policy in CASES:
         if a.only and f"{optimizer}/{policy}" not in a.only.split(","):
             continue
-        found = deepest(a, optimizer, policy)
+        # The search runs in a process of its own too: this one must not start a GPU
+        # client, which would hold the device memory the training child needs.
+        search = [sys.executable, __file__, *sys.argv[1:], "--search", optimizer, policy]
+        found = run(search, ROOT)
         row = dict(optimizer=optimizer, policy=policy)
-        if found is None:
-            results.append({**row, "error": "no depth fits the budgets"})
+        if not found or "error" in found:
+            results.append({**row, "error": (found or {}).get("error", "no depth fits")})
             continue
-        layers, plan = found
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(layers), optimizer, policy]
-        results.append({**row, "layers": layers, **plan, **run(cmd, ROOT)})
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(found["layers"])]
+        results.append({**row, **found, **run(cmd + [optimizer, policy], ROOT)})
         print(json.dumps(results[-1]), flush=True)
 
     header = ("optimizer/policy", "layers", "params", "B/param", "peak GiB")
