@@ -486,6 +486,16 @@ def _with_shardings(abstract, shardings):
     )
 
 
+def _abstract_on_device(abstract_tree):
+    """The same shapes with their shardings moved to device memory."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding.with_memory_kind(DEVICE)
+        ),
+        abstract_tree,
+    )
+
+
 def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked, plan):
     """Shapes and shardings of masters and optimizer state in the streamed update's layout:
     stacked weights split into one array per layer, each sharded like a layer slice of its
@@ -521,15 +531,16 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
         key = jax.tree_util.keystr(path)
         for layer in range(len(m)) if is_stacked else [None]:
             pick = (lambda x: x) if layer is None else (lambda x, i=layer: x[i])
-            on_device = lambda tree: jax.tree.map(  # noqa: E731
-                lambda x: jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=x.sharding.with_memory_kind(DEVICE)
-                ),
-                tree,
-            )
             tier = plan.chunk_tier(key, layer)
             chunks.append(
-                Chunk(f"{key}[{layer}]", path, w, layer, tier, *map(on_device, (pick(m), pick(o))))
+                Chunk(
+                    f"{key}[{layer}]",
+                    path,
+                    w,
+                    layer,
+                    tier,
+                    *map(_abstract_on_device, (pick(m), pick(o))),
+                )
             )
 
     def drop(tree):

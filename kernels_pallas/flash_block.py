@@ -117,26 +117,30 @@ def _blocks(length: int, block: int) -> int:
     return block
 
 
+def _query_block_specs(h: int, tk: int, block_q: int, group: int):
+    """BlockSpecs of the grid (batch, query head, query block) that the forward and dQ kernels
+    share: a query block's rows and its per-row statistics, its kv head's keys (all of them),
+    and the positions of both."""
+    rows = pl.BlockSpec((None, None, block_q, h), lambda i, j, r: (i, j, r, 0))
+    stats = pl.BlockSpec((None, None, block_q), lambda i, j, r: (i, j, r))
+    keys = pl.BlockSpec((None, None, tk, h), lambda i, j, r: (i, j // group, 0, 0))
+    q_pos = pl.BlockSpec((block_q,), lambda i, j, r: (r,))
+    k_pos = pl.BlockSpec((tk,), lambda i, j, r: (0,))
+    return rows, stats, keys, q_pos, k_pos
+
+
 def flash_block_forward(q, k, v, q_pos, k_pos, *, causal, block_q=128, block_k=128):
     """(out f32 (B, N, Tq, H), lse f32 (B, N, Tq)) of q against k, v; rows that see no key
     get out 0 and lse -inf."""
     b, n, tq, h = q.shape
     kv, tk = k.shape[1], k.shape[2]
     block_q, block_k = _blocks(tq, block_q), _blocks(tk, block_k)
-    group = n // kv
-    per_query = lambda: pl.BlockSpec((None, None, block_q, h), lambda i, j, r: (i, j, r, 0))
-    per_key = lambda: pl.BlockSpec((None, None, tk, h), lambda i, j, r: (i, j // group, 0, 0))
+    rows, stats, keys, q_spec, k_spec = _query_block_specs(h, tk, block_q, n // kv)
     return pl.pallas_call(
         functools.partial(_forward_kernel, causal=causal, block_k=block_k),
         grid=(b, n, tq // block_q),
-        in_specs=[
-            per_query(),
-            per_key(),
-            per_key(),
-            pl.BlockSpec((block_q,), lambda i, j, r: (r,)),
-            pl.BlockSpec((tk,), lambda i, j, r: (0,)),
-        ],
-        out_specs=[per_query(), pl.BlockSpec((None, None, block_q), lambda i, j, r: (i, j, r))],
+        in_specs=[rows, keys, keys, q_spec, k_spec],
+        out_specs=[rows, stats],
         out_shape=[jax.ShapeDtypeStruct(q.shape, F32), jax.ShapeDtypeStruct((b, n, tq), F32)],
         interpret=_interpret(),
     )(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32))
@@ -152,44 +156,33 @@ def flash_block_backward(
     block_q, block_k = _blocks(tq, block_q), _blocks(tk, block_k)
     group = n // kv
     q_pos, k_pos = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
-    per_query = lambda: pl.BlockSpec((None, None, block_q, h), lambda i, j, r: (i, j, r, 0))
-    per_query_row = lambda: pl.BlockSpec((None, None, block_q), lambda i, j, r: (i, j, r))
-    per_key = lambda: pl.BlockSpec((None, None, tk, h), lambda i, j, r: (i, j // group, 0, 0))
+    rows, stats, keys, q_spec, k_spec = _query_block_specs(h, tk, block_q, group)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, causal=causal, block_k=block_k),
         grid=(b, n, tq // block_q),
-        in_specs=[
-            per_query(),
-            per_key(),
-            per_key(),
-            per_query(),
-            per_query_row(),
-            per_query_row(),
-            pl.BlockSpec((block_q,), lambda i, j, r: (r,)),
-            pl.BlockSpec((tk,), lambda i, j, r: (0,)),
-        ],
-        out_specs=per_query(),
+        in_specs=[rows, keys, keys, rows, stats, stats, q_spec, k_spec],
+        out_specs=rows,
         out_shape=jax.ShapeDtypeStruct(q.shape, F32),
         interpret=_interpret(),
     )(q, k, v, do, lse, delta, q_pos, k_pos)
     # dK/dV: one program per (batch, kv head, key block), over the group's query heads.
-    group_rows = lambda: pl.BlockSpec((None, group, tq, h), lambda i, j, c: (i, j, 0, 0))
-    group_stats = lambda: pl.BlockSpec((None, group, tq), lambda i, j, c: (i, j, 0))
-    per_key_block = lambda: pl.BlockSpec((None, None, block_k, h), lambda i, j, c: (i, j, c, 0))
+    group_rows = pl.BlockSpec((None, group, tq, h), lambda i, j, c: (i, j, 0, 0))
+    group_stats = pl.BlockSpec((None, group, tq), lambda i, j, c: (i, j, 0))
+    key_block = pl.BlockSpec((None, None, block_k, h), lambda i, j, c: (i, j, c, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, causal=causal, block_q=block_q),
         grid=(b, kv, tk // block_k),
         in_specs=[
-            group_rows(),
-            per_key_block(),
-            per_key_block(),
-            group_rows(),
-            group_stats(),
-            group_stats(),
+            group_rows,
+            key_block,
+            key_block,
+            group_rows,
+            group_stats,
+            group_stats,
             pl.BlockSpec((tq,), lambda i, j, c: (0,)),
             pl.BlockSpec((block_k,), lambda i, j, c: (c,)),
         ],
-        out_specs=[per_key_block(), per_key_block()],
+        out_specs=[key_block, key_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, F32), jax.ShapeDtypeStruct(v.shape, F32)],
         interpret=_interpret(),
     )(q, k, v, do, lse, delta, q_pos, k_pos)

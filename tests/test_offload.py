@@ -106,10 +106,11 @@ def test_layer_streaming_equals_on_device(mesh):
     assert jaxpr.count("device_put") >= 2 * 9
 
 
-def test_auto_fills_the_device_first():
-    """`auto` keeps as many update chunks on the device as fit, the rest in host memory, and
-    trains exactly as `none` does."""
-    # Eight layers, one chunk in flight: room for some chunks between the two policies' needs.
+@pytest.fixture(scope="module")
+def eight_layers():
+    """The small model with eight layers and one chunk in flight, trained on the device: its
+    settings, its `optimizer` plan, the budget halfway between what `optimizer` and `none`
+    need on the device (room for some update chunks), and the reference params and losses."""
     kw = dict(
         zero_stage=3,
         mesh__data=8,
@@ -118,10 +119,18 @@ def test_auto_fills_the_device_first():
         offload__chunks_in_flight=1,
     )
     mesh = make_mesh(small_config(**kw).mesh)
-    on_device = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
-    lo, hi = on_device("optimizer").tier_bytes(DEVICE), on_device("none").tier_bytes(DEVICE)
-    budget_gib = (lo + hi) / 2 / 0.95 / 2**30
-    _, _, ref_losses = train(small_config(**kw))
+    plan = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
+    offloaded = plan("optimizer")
+    between = (offloaded.tier_bytes(DEVICE) + plan("none").tier_bytes(DEVICE)) / 2
+    device_gib = between / 0.95 / 2**30
+    _, ref_state, ref_losses = train(small_config(**kw))
+    return kw, offloaded, device_gib, jax.device_get(ref_state.params), ref_losses
+
+
+def test_auto_fills_the_device_first(eight_layers):
+    """`auto` keeps as many update chunks on the device as fit, the rest in host memory, and
+    trains exactly as `none` does."""
+    kw, _, budget_gib, _, ref_losses = eight_layers
     exp, state, losses = train(
         small_config(offload__policy="auto", offload__device_gib=budget_gib, **kw)
     )
@@ -142,26 +151,17 @@ def test_auto_fills_the_device_first():
 
 
 @pytest.fixture(scope="module")
-def three_tiers():
+def three_tiers(eight_layers):
     """Budgets under which `auto` uses all three tiers on the small model: the device between
     what `optimizer` and `none` need, host memory for about half of the update chunks."""
+    kw, offloaded, device_gib, ref_params, ref_losses = eight_layers
     kw = dict(
-        zero_stage=3,
-        mesh__data=8,
-        model__num_layers=8,
-        offload__host_gib=64,
-        offload__chunks_in_flight=1,
-    )
-    mesh = make_mesh(small_config(**kw).mesh)
-    plan = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
-    lo, hi = plan("optimizer").tier_bytes(DEVICE), plan("none").tier_bytes(DEVICE)
-    _, ref_state, ref_losses = train(small_config(**kw))
-    kw.update(
+        kw,
         offload__policy="auto",
-        offload__device_gib=(lo + hi) / 2 / 0.95 / 2**30,
-        offload__host_gib=plan("optimizer").tier_bytes(HOST) * 0.6 / 0.95 / 2**30,
+        offload__device_gib=device_gib,
+        offload__host_gib=offloaded.tier_bytes(HOST) * 0.6 / 0.95 / 2**30,
     )
-    return kw, jax.device_get(ref_state.params), ref_losses
+    return kw, ref_params, ref_losses
 
 
 @pytest.mark.parametrize("compress", [False, True])
