@@ -1,10 +1,9 @@
-"""A DeepSeek-style mixture of experts for one or two H200s: fine-grained experts (64 of 1408,
+"""A DeepSeek-style mixture of experts for one or two H200s: fine-grained experts (16 of 1408,
 6 routed per token) plus 2 shared ones, at the TinyLlama-1.1B trunk (22 layers, d 2048).
 
     python -m angel_jax.launch --config configs/moe_1b.py --workdir /tmp/angel-moe-1b
 
-About 1.3B active and 13B total parameters. Two GPUs: --config.mesh.expert=2 --config.mesh.data=1.
-Not yet run on a GPU.
+About 1.4B active and 3.8B total parameters (their AdamW states fit one H200). Two GPUs: --config.mesh.expert=2 --config.mesh.data=1.
 """
 
 from angel_jax.config import default_config
@@ -19,7 +18,7 @@ def get_config():
         num_kv_heads=4,
         ffn_dim=5632,
         vocab_size=32000,
-        num_experts=64,
+        num_experts=16,
         experts_per_token=6,
         moe_ffn_dim=1408,
         shared_experts=2,

@@ -158,14 +158,16 @@ _SAVED_PER_LAYER = {
 
 def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
     """Rough per-device bytes of saved activations (device, host); the device part includes
-    the float32 logits and their gradient."""
+    the float32 logits and their gradient (one of `logits_chunks` slices at a time)."""
     m, t = config.model, config.train
-    tokens = t.batch_size // t.microbatches * t.seq_len / mesh.shape["data"]
+    # Batch splits over data and expert, positions over context and sequence.
+    splits = math.prod(mesh.shape[a] for a in ("data", "expert", "context", "sequence"))
+    tokens = t.batch_size // t.microbatches * t.seq_len / splits
     unit = (  # One compute-dtype value per d_model channel, layer and token.
         m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape["tensor"]
     )
     on_device, on_host = _SAVED_PER_LAYER[m.remat]
-    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"]
+    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"] / m.logits_chunks
     return int(on_device * unit + logits), int(on_host * unit)
 
 

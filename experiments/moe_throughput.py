@@ -1,0 +1,65 @@
+"""Mixture-of-experts throughput: `moe_1b` per router beside the dense model of the same active
+parameters, on one GPU or with expert parallel over several.
+
+    python experiments/moe_throughput.py [--expert 1] [--out FILE]
+
+MFU counts active parameters only (the experts a token goes through, shared ones included),
+the convention of MaxText's MoE figures. The dense twin is `llama_1b` with its MLP as wide as a
+token's active experts (experts_per_token + shared_experts) x moe_ffn_dim, so both do the same
+matmul FLOPs per token. --expert N shards the experts over N devices (the dense twin runs data
+parallel over the same N); the per-device batch stays the same.
+"""
+
+import argparse
+import json
+import sys
+
+from throughput import ROOT, print_table, run_ours, write_results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--expert", type=int, default=1)
+    p.add_argument("--batch-per-device", type=int, default=8)
+    p.add_argument("--routers", default="topk,dropless,expert_choice")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
+    a = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from angel_jax.config import load_config
+
+    moe = load_config(str(ROOT / "configs/moe_1b.py"), []).model
+    active_ffn = (moe.experts_per_token + moe.shared_experts) * moe.moe_ffn_dim
+    batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}"]
+    runs = [
+        (
+            f"moe_1b {router} expert={a.expert}",
+            "configs/moe_1b.py",
+            [
+                *batch,
+                f"--config.model.router={router}",
+                f"--config.mesh.expert={a.expert}",
+                "--config.mesh.data=1",
+            ],
+        )
+        for router in a.routers.split(",")
+    ]
+    runs.append(
+        (
+            f"dense twin (ffn {active_ffn}) data={a.expert}",
+            "configs/llama_1b.py",
+            [*batch, f"--config.model.ffn_dim={active_ffn}", f"--config.model.remat={moe.remat}"],
+        )
+    )
+    results = []
+    for name, config, overrides in runs:
+        timing = run_ours(str(ROOT / config), overrides, a.steps, warmup=2)
+        results.append({**timing, "system": name, "overrides": overrides})
+        print(json.dumps(results[-1]), flush=True)
+    print_table(results)
+    write_results(a.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
