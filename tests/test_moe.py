@@ -8,7 +8,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.layers.moe import MoE, capacity, route_topk
+from angel_jax.layers.moe import (
+    MoE,
+    capacity,
+    combine,
+    dispatch,
+    route_expert_choice,
+    route_topk,
+)
 
 AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
 
@@ -27,15 +34,42 @@ def inputs(batch=8, length=16, d=16, seed=0):
 
 
 def test_topk_load_counts_every_assignment_and_drops_the_overflow():
-    logits = jax.random.normal(jax.random.key(1), (4, 32, 8))
-    cap = capacity(32, 8, 2, 0.5)  # Half the even share: many assignments overflow.
-    dispatch, combine, load, dropped = route_topk(logits, 2, cap)
-    assert float(jnp.sum(load)) == 4 * 32 * 2  # Every token's two choices.
-    assert float(dropped) > 0
-    assert float(jnp.sum(dispatch)) + float(dropped) == 4 * 32 * 2
-    # No slot holds two assignments; kept assignments' weights are their renormalised probs.
-    assert float(jnp.max(jnp.sum(dispatch, axis=1))) == 1.0
-    assert float(jnp.max(jnp.sum(combine, axis=(2, 3)))) <= 1.0 + 1e-6
+    b, t, e, k = 4, 32, 8, 2
+    logits = jax.random.normal(jax.random.key(1), (b, t, e))
+    cap = capacity(t, e, k, 0.5)  # Half the even share: many assignments overflow.
+    token_of_slot, weight, load, dropped = route_topk(logits, k, cap)
+    assert float(jnp.sum(load)) == b * t * k  # Every token's two choices.
+    filled = token_of_slot < t
+    assert float(dropped) > 0 and int(jnp.sum(filled)) + float(dropped) == b * t * k
+    # A token sits at most once in an expert's buffer, and empty slots weigh nothing.
+    for g in range(b):
+        for x in range(e):
+            kept = np.asarray(token_of_slot[g, x * cap : (x + 1) * cap])
+            kept = kept[kept < t]
+            assert len(set(kept.tolist())) == len(kept)
+    assert float(jnp.max(jnp.where(filled, 0.0, weight))) == 0.0
+    # A token's kept weights are part of its renormalised top-k probabilities.
+    per_token = jnp.zeros((b, t + 1)).at[jnp.arange(b)[:, None], token_of_slot].add(weight)
+    assert float(jnp.max(per_token[:, :t])) <= 1.0 + 1e-6
+
+
+def test_capacity_routers_equal_one_hot_dispatch():
+    """The gather/scatter dispatch equals the textbook one-hot einsum formulation."""
+    b, t, d, e, k = 2, 16, 8, 4, 2
+    x = jax.random.normal(jax.random.key(2), (b, t, d))
+    logits = jax.random.normal(jax.random.key(3), (b, t, e))
+    cap = capacity(t, e, k, 1.0)
+    for token_of_slot, weight, _, _ in (
+        route_topk(logits, k, cap),
+        route_expert_choice(logits, cap),
+    ):
+        c = token_of_slot.shape[1] // e
+        one_hot = jax.nn.one_hot(token_of_slot, t).reshape(b, e, c, t)  # Empty slots: all 0.
+        xs = dispatch(x, token_of_slot, e)
+        np.testing.assert_allclose(xs, jnp.einsum("bect,btd->becd", one_hot, x), atol=1e-6)
+        out = jax.random.normal(jax.random.key(4), xs.shape)
+        ref = jnp.einsum("bect,bec,becd->btd", one_hot, weight.reshape(b, e, c), out)
+        np.testing.assert_allclose(combine(out, token_of_slot, weight, t), ref, atol=1e-5)
 
 
 def test_dropless_equals_topk_with_room_for_everything():

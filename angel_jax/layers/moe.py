@@ -42,31 +42,53 @@ def capacity(tokens: int, experts: int, k: int, factor: float) -> int:
 
 
 def route_topk(logits_BTE, k: int, cap: int):
-    """(dispatch (B,T,E,C) in {0,1}, combine (B,T,E,C) weights, load (E,), dropped ())."""
+    """(token of each slot (B, E*C), T where empty; its weight (B, E*C); load (E,); dropped ()).
+    Slot e*C + c is expert e's c-th buffer row; first choices of every token fill first."""
     b, t, e = logits_BTE.shape
     probs = jax.nn.softmax(logits_BTE.astype(F32), axis=-1)
     top_p, top_e = jax.lax.top_k(probs, k)  # (B, T, K)
     top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    chosen = jax.nn.one_hot(top_e, e, dtype=F32)  # (B, T, K, E)
-    # Slot of each assignment in its expert's buffer: first choices of every token first.
+    chosen = jax.nn.one_hot(top_e, e, dtype=jnp.int32)  # (B, T, K, E)
+    # Rank of each assignment within its expert, counting choice by choice over the group.
     order = chosen.transpose(0, 2, 1, 3).reshape(b, k * t, e)
-    slot = (jnp.cumsum(order, axis=1) - 1.0).reshape(b, k, t, e).transpose(0, 2, 1, 3)
-    kept = chosen * (slot < cap)
-    slots = jax.nn.one_hot(jnp.sum(slot * kept, axis=-1).astype(jnp.int32), cap, dtype=F32)
-    dispatch = jnp.einsum("btke,btkc->btec", kept, slots)
-    combine = jnp.einsum("btke,btkc,btk->btec", kept, slots, top_p)
-    load = jnp.sum(chosen, axis=(0, 1, 2))
-    return dispatch, combine, load, jnp.sum(chosen) - jnp.sum(kept)
+    rank = (jnp.cumsum(order, axis=1) - 1).reshape(b, k, t, e).transpose(0, 2, 1, 3)
+    rank = jnp.sum(rank * chosen, axis=-1)  # (B, T, K)
+    kept = rank < cap
+    # Dropped assignments all land on one extra slot, cut off below.
+    slot = jnp.where(kept, top_e * cap + rank, e * cap)
+    rows = jnp.arange(b)[:, None, None]
+    tokens = jnp.broadcast_to(jnp.arange(t)[None, :, None], slot.shape)
+    token_of_slot = jnp.full((b, e * cap + 1), t).at[rows, slot].set(tokens)[:, :-1]
+    weight = jnp.zeros((b, e * cap + 1), F32).at[rows, slot].set(top_p)[:, :-1]
+    load = jnp.sum(chosen, axis=(0, 1, 2)).astype(F32)
+    return token_of_slot, weight, load, jnp.sum(~kept).astype(F32)
 
 
 def route_expert_choice(logits_BTE, cap: int):
-    """Each expert takes its `cap` highest-probability tokens of each group."""
-    t = logits_BTE.shape[1]
+    """Each expert takes its `cap` highest-probability tokens of each group (same outputs as
+    `route_topk`, with C = min(cap, T))."""
+    b, t, e = logits_BTE.shape
     probs = jax.nn.softmax(logits_BTE.astype(F32), axis=-1)
     top_p, top_t = jax.lax.top_k(probs.swapaxes(1, 2), min(cap, t))  # (B, E, C)
-    dispatch = jax.nn.one_hot(top_t, t, dtype=F32).transpose(0, 3, 1, 2)  # (B, T, E, C)
-    combine = dispatch * top_p[:, None]
-    return dispatch, combine, jnp.sum(dispatch, axis=(0, 1, 3)), jnp.zeros((), F32)
+    load = jnp.full((e,), b * top_t.shape[-1], F32)
+    return top_t.reshape(b, -1), top_p.reshape(b, -1), load, jnp.zeros((), F32)
+
+
+def dispatch(x_BTD, token_of_slot, experts: int):
+    """The experts' buffers (B, E, C, D): each slot's token row, zeros in empty slots. A
+    gather, not a one-hot matmul: the (B, T, E, C) one-hots cost more FLOPs than the experts."""
+    b, _, d = x_BTD.shape
+    padded = jnp.concatenate([x_BTD, jnp.zeros((b, 1, d), x_BTD.dtype)], axis=1)
+    rows = jnp.take_along_axis(padded, token_of_slot[..., None], axis=1)
+    return rows.reshape(b, experts, -1, d)
+
+
+def combine(out_BECD, token_of_slot, weight, tokens: int):
+    """Each token's weighted sum (B, T, D) f32 of its slots' expert outputs (a scatter-add)."""
+    b, d = out_BECD.shape[0], out_BECD.shape[-1]
+    rows = out_BECD.reshape(b, -1, d).astype(F32) * weight[..., None]
+    y = jnp.zeros((b, tokens + 1, d), F32).at[jnp.arange(b)[:, None], token_of_slot].add(rows)
+    return y[:, :tokens]
 
 
 def router_losses(logits_BTE, load_E):
@@ -171,10 +193,10 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor):
             load = jax.lax.psum(load, ("data", "expert"))
             return out.reshape(x.shape), load, jnp.zeros((), F32)
         if router == "expert_choice":
-            dispatch, combine, load, dropped = route_expert_choice(logits, cap)
+            token_of_slot, weight, load, dropped = route_expert_choice(logits, cap)
         else:
-            dispatch, combine, load, dropped = route_topk(logits, k, cap)
-        xs = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)
+            token_of_slot, weight, load, dropped = route_topk(logits, k, cap)
+        xs = dispatch(x, token_of_slot, e)
         if split:  # Each group's slots to the ranks of their experts, and back.
             xs = jax.lax.all_to_all(xs, "expert", split_axis=1, concat_axis=0, tiled=True)
         out = _swiglu(xs, gate, up, down)
@@ -183,8 +205,7 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor):
             out = jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=1, tiled=True)
             load = jax.lax.psum(load, ("data", "expert"))
             dropped = jax.lax.psum(dropped, ("data", "expert"))
-        y = jnp.einsum("btec,becd->btd", combine, out.astype(F32))
-        return y, load, dropped
+        return combine(out, token_of_slot, weight, x.shape[1]), load, dropped
 
     if not split:
         return local(x_BTD, logits_BTE, *weights)
