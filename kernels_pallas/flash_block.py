@@ -95,7 +95,9 @@ def _dkv_kernel(
 
     def body(i, carry):  # i runs over (query head in the group, query block).
         dk, dv = carry
-        g, rows = i // (length // block_q), pl.ds((i % (length // block_q)) * block_q, block_q)
+        # lax.div/rem, not // and %: their sign fix-ups do not lower to Triton (i32 vs i1).
+        blocks = length // block_q
+        g, rows = jax.lax.div(i, blocks), pl.ds(jax.lax.rem(i, blocks) * block_q, block_q)
         q, do = q_ref[g, rows, :], do_ref[g, rows, :]
         lse, delta, q_pos = lse_ref[g, rows], delta_ref[g, rows], qp_ref[rows]
         s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
