@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
 from angel_jax.models.llama import Llama, LlamaConfig, lm_head_kernel
-from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, make_plan
+from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import (
     Chunk,
@@ -432,9 +432,13 @@ class Experiment:
         """Compiles ahead of time, from shapes alone: `train_step` is built before the state
         is allocated, so XLA's GPU autotuner has the device's memory to try kernels in (a
         state filled to the planner's budget leaves it too little: the H200 capacity runs
-        failed to compile so)."""
+        failed to compile so). On a GPU, the compiled program's memory is checked against the
+        plan (XLA:CPU widens bf16 work to f32, so its sizes would mislead)."""
         with sharding.use_rules(self.mesh, self.rules):
-            return jitted.lower(*abstract_args).compile()
+            compiled = jitted.lower(*abstract_args).compile()
+        if jax.default_backend() != "cpu":
+            check_compiled(self.plan, compiled.memory_analysis())
+        return compiled
 
     def apply_streamed_update(self, state: TrainState, step, grads, scale) -> TrainState:
         """The offloaded state after its streamed update with `grads` (`state` is donated)."""

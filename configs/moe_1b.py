@@ -3,7 +3,8 @@
 
     python -m angel_jax.launch --config configs/moe_1b.py --workdir /tmp/angel-moe-1b
 
-About 1.4B active and 3.8B total parameters (their AdamW states fit one H200). Two GPUs: --config.mesh.expert=2 --config.mesh.data=1.
+About 1.4B active and 3.8B total parameters (their AdamW states fit one H200). Two GPUs:
+--config.mesh.expert=2 --config.mesh.data=1.
 """
 
 from angel_jax.config import default_config

@@ -72,13 +72,40 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
         lo, hi = (mid, hi) if plan(mid) is not None else (lo, mid)
     if lo == 0:
         return None
+    # On a GPU, `build` also checks the compiled step's memory (its temporaries, not the
+    # planner's activation estimate): step down until that fits too.
+    refused = []
+    while jax.default_backend() != "cpu":
+        config = load_config(a.config, overrides(a, lo, optimizer, policy))
+        try:
+            _ = build(config, make_mesh(config.mesh, jax.devices()[:1])).train_step  # Compiles.
+            break
+        except ConfigError as e:
+            refused.append(dict(layers=lo, error=str(e)))
+            lo = min(lo - 1, int(lo * 0.95))
+            if lo == 0 or len(refused) == 5:
+                return None
     p = plan(lo)
     return lo, dict(
+        refused_by_compiled_check=refused,
         params=p.num_params,
         planned_device_gib=p.tier_bytes("device") / 2**30,
         planned_host_gib=p.tier_bytes("pinned_host") / 2**30,
         bytes_per_param=p.bytes_per_param(),
     )
+
+
+def memory_report(event: str) -> None:
+    """One stderr line of the device's peak and this process's peak resident host memory: the
+    child's log tells which tier ran out if it dies (exit -9 is the kernel's OOM killer)."""
+    import resource
+
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB.
+    device = stats.get("peak_bytes_in_use", 0) / 2**30
+    print(f"{event}: device peak {device:.1f} GiB, host peak RSS {rss:.1f} GiB", file=sys.stderr)
 
 
 def child(a, layers, optimizer, policy) -> dict:
@@ -92,13 +119,17 @@ def child(a, layers, optimizer, policy) -> dict:
 
     config = load_config(a.config, overrides(a, layers, optimizer, policy))
     exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    print(exp.plan.table(), file=sys.stderr, flush=True)
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
+    memory_report("compiled")
     state = exp.init_state()
+    memory_report("state initialised")
     batches = make_batches(config).iterate(0)
     losses, start = [], time.perf_counter()
-    for _ in range(a.steps):
+    for step in range(a.steps):
         state, metrics = train_step(state, exp.global_batch(next(batches)))
         losses.append(float(metrics["loss"]))
+        memory_report(f"step {step + 1}, loss {losses[-1]:.4f}")
     stats = jax.devices()[0].memory_stats() or {}
     return dict(
         losses=losses,
@@ -149,7 +180,8 @@ def main() -> int:
             results.append({**row, "error": (found or {}).get("error", "no depth fits")})
             continue
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(found["layers"])]
-        results.append({**row, **found, **run(cmd + [optimizer, policy], ROOT)})
+        log = f"{a.out.removesuffix('.json')}.{optimizer}-{policy}.log"
+        results.append({**row, **found, **run(cmd + [optimizer, policy], ROOT, log), "log": log})
         print(json.dumps(results[-1]), flush=True)
 
     header = ("optimizer/policy", "layers", "params", "B/param", "peak GiB")

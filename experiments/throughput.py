@@ -122,8 +122,12 @@ def run_ours(config: str, overrides: list[str], steps: int, warmup: int) -> dict
     return run(cmd, ROOT)
 
 
-def run(cmd: list[str], cwd) -> dict:
+def run(cmd: list[str], cwd, log: str | None = None) -> dict:
+    """The last JSON line `cmd` prints, or its exit code and last lines; `log` keeps all of its
+    stderr."""
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if log:
+        pathlib.Path(log).write_text(proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]

@@ -1,6 +1,7 @@
 """ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
 
 import re
+import types
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload.planner import DEVICE, HOST
+from angel_jax.offload.planner import DEVICE, HOST, check_compiled
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -317,6 +318,21 @@ def test_planner_refuses_what_fits_nowhere_before_allocating():
         build(config, mesh)
     with pytest.raises(ConfigError, match="config.offload.policy='bogus'"):
         build(*llama_1b("--config.offload.policy=bogus"))
+
+
+def test_compiled_step_that_outgrows_the_plan_is_refused_before_allocating():
+    """On a GPU, `build`'s compiled step is checked so: XLA's temporaries replace the
+    planner's activation estimate in the device total."""
+    plan = build(
+        *llama_1b("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
+    ).plan
+    states = plan.tier_bytes(DEVICE) - plan.state_bytes["activations"]
+    room = 0.95 * 32 * 2**30 - states
+    check_compiled(plan, types.SimpleNamespace(temp_size_in_bytes=int(room) - 1))
+    with pytest.raises(
+        ConfigError, match=r"compiled train step needs 31\.4 GiB .* 30\.4 GiB usable"
+    ):
+        check_compiled(plan, types.SimpleNamespace(temp_size_in_bytes=int(room) + 2**30))
 
 
 @pytest.mark.parametrize("in_flight", [1, 3])

@@ -344,3 +344,23 @@ def make_plan(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
         f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
     )
+
+
+def check_compiled(plan: Plan, memory) -> None:
+    """Refuses, before the state is allocated, a plan whose compiled step would not fit the
+    device: the plan's device-resident states plus what XLA allocates beyond the program's
+    arguments and outputs (`memory`: a `Compiled.memory_analysis()`), which replaces the
+    planner's activation estimate."""
+    estimate = (
+        plan.state_bytes.get("activations", 0) if plan.placement.get("activations") == DEVICE else 0
+    )
+    need = plan.tier_bytes(DEVICE) - estimate + memory.temp_size_in_bytes
+    usable = USABLE * plan.budget[DEVICE]
+    if need > usable:
+        raise ConfigError(
+            f"the compiled train step needs {need / 2**30:.1f} GiB per device "
+            f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "
+            f"estimate of {estimate / 2**30:.1f} GiB of activations), more than the "
+            f"{usable / 2**30:.1f} GiB usable: use config.offload.policy=auto or params, "
+            f"more remat (config.model.remat), a smaller batch or model, or more devices"
+        )
