@@ -1,4 +1,2 @@
-"""Pallas kernels (flash-attention blocks, FP8 quantization), each beside a pure-JAX reference.
-
-Empty until the long-context and FP8 issues land.
-"""
+"""Pallas kernels, each beside its pure-JAX reference: flash-attention blocks for ring attention
+(`flash_block`) and block-scaled FP8 quantization for FP8 collectives (`fp8`)."""
