@@ -36,13 +36,20 @@ class Attention(nn.Module):
     implementation: str | None = None  # jax.nn.dot_product_attention's: None (XLA) or "cudnn".
     dtype: jnp.dtype = jnp.bfloat16
     ring_blocks: str = "xla"  # Ring attention's block math (context axis): "xla" or "pallas".
+    fp8: bool = False  # Projections through FP8 (Linear.fp8).
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BTNH = Linear((n, h), ("embed", "heads", "head_dim"), self.dtype, name="query")(x_BTD)
-        k_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="key")(x_BTD)
-        v_BTKH = Linear((k, h), ("embed", "kv_heads", "head_dim"), self.dtype, name="value")(x_BTD)
+        q_BTNH = Linear(
+            (n, h), ("embed", "heads", "head_dim"), self.dtype, fp8=self.fp8, name="query"
+        )(x_BTD)
+        k_BTKH = Linear(
+            (k, h), ("embed", "kv_heads", "head_dim"), self.dtype, fp8=self.fp8, name="key"
+        )(x_BTD)
+        v_BTKH = Linear(
+            (k, h), ("embed", "kv_heads", "head_dim"), self.dtype, fp8=self.fp8, name="value"
+        )(x_BTD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
         length = x_BTD.shape[1]
         mesh, split = sharding.active_mesh(), sharding.rule("length")
@@ -80,6 +87,6 @@ class Attention(nn.Module):
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )
-        return Linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), self.dtype, name="out")(
-            o_BTNH
-        )
+        return Linear(
+            (x_BTD.shape[-1],), ("heads", "head_dim", "embed"), self.dtype, fp8=self.fp8, name="out"
+        )(o_BTNH)

@@ -12,12 +12,13 @@ from angel_jax.sharding import constrain
 class SwiGLU(nn.Module):
     ffn_dim: int
     dtype: jnp.dtype = jnp.bfloat16
+    fp8: bool = False  # Projections through FP8 (Linear.fp8).
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d_model = x.shape[-1]
-        gate = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="gate")(x)
-        up = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, name="up")(x)
+        gate = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, fp8=self.fp8, name="gate")(x)
+        up = Linear((self.ffn_dim,), ("embed", "mlp"), self.dtype, fp8=self.fp8, name="up")(x)
         gate, up = checkpoint_name((gate, up), "mlp_in")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return Linear((d_model,), ("mlp", "embed"), self.dtype, name="down")(h)
+        return Linear((d_model,), ("mlp", "embed"), self.dtype, fp8=self.fp8, name="down")(h)
