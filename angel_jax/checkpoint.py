@@ -1,15 +1,37 @@
 """Orbax checkpoints of the train state and the data position.
 
-Saves are asynchronous and atomic (orbax writes a temporary directory and renames it on
-commit), so a process killed mid-save leaves the previous checkpoint as the latest complete one.
+Saves are asynchronous and atomic (orbax writes `STEP.orbax-checkpoint-tmp` and renames it to
+`STEP` on commit), so a process killed mid-save leaves the previous checkpoint as the latest
+complete one; the leftover temporary directory is removed when the next run opens the
+directory. `restore_latest` goes back past checkpoints that cannot be read.
 """
 
+import dataclasses
+import logging
 import pathlib
 import sys
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from angel_jax.config import ConfigError
+
+
+class UnreadableCheckpoint(ConfigError):
+    """A checkpoint whose files are damaged (or do not fit the current model)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason  # What orbax said, in one line.
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: object
+    data_index: int  # The next batch to read.
+    unreadable: list  # (step, reason) of newer checkpoints that could not be read, set aside.
 
 
 class Checkpointer:
@@ -23,6 +45,7 @@ class Checkpointer:
             create=True,
             enable_async_checkpointing=async_save,
             lightweight_initialize=True,
+            cleanup_tmp_directories=True,  # Saves cut short by a crash.
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -80,17 +103,81 @@ class Checkpointer:
         sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
 
+    def restore_latest(self, abstract_state, offload_policy: str = "none") -> Restored | None:
+        """The newest checkpoint that can be read, or None when there is none.
+
+        A checkpoint that cannot be read (damaged files) is passed over for the one before it;
+        once an older one restores, the unreadable newer ones are renamed `STEP.unreadable` so
+        that new saves can take their steps. When none can be read, the newest's error is
+        raised and nothing is renamed: the cause is then more likely the config (a changed
+        model) than the files. Every process takes the same decision.
+        """
+        failed = []  # (step, UnreadableCheckpoint), newest first.
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, data_index = self.restore(step, abstract_state, offload_policy)
+                error = None
+            except UnreadableCheckpoint as e:
+                error = e
+            if not _everywhere(error is None):
+                error = error or self._unreadable(step, RuntimeError("unreadable elsewhere"))
+                failed.append((step, error))
+                continue
+            if failed:
+                self._set_aside([s for s, _ in failed])
+            return Restored(step, state, data_index, [(s, e.reason) for s, e in failed])
+        if len(failed) == 1:
+            raise failed[0][1]
+        if failed:
+            raise UnreadableCheckpoint(
+                f"none of the checkpoints in {self.directory} (steps "
+                f"{', '.join(str(s) for s, _ in failed)}) can be read; the newest, "
+                f"{self.directory / str(failed[0][0])}: {failed[0][1].reason}. If the model "
+                "config changed since they were saved, resume with the config they were saved "
+                "with; else pass a new --workdir"
+            )
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for step in steps:
+                source = self.directory / str(step)
+                target = self.directory / f"{step}.unreadable"
+                n = 1
+                while target.exists():
+                    n += 1
+                    target = self.directory / f"{step}.unreadable.{n}"
+                source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("angel_jax checkpoints set aside")
+        self.manager.reload()
+
     def _unreadable(self, step: int, error: Exception) -> ConfigError:
         reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        return ConfigError(
+        # Reads still in flight fail later, each logged by asyncio as "Future exception was
+        # never retrieved" when collected; the failure is reported once, here.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        return UnreadableCheckpoint(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
-            "directory to resume from the one before, or pass a new --workdir (also if the "
-            "model config changed since it was saved)"
+            "directory to start over, or pass a new --workdir (also if the model config changed "
+            "since it was saved)",
+            reason,
         )
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (one small all-gather when there are several)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _drop_closed_loop_callbacks(previous_hook):

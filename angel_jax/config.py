@@ -26,6 +26,18 @@ def default_config() -> ml_collections.ConfigDict:
         dict(data=-1, pipeline=1, expert=1, context=1, sequence=1, tensor=1)
     )
 
+    # Pipeline parallelism over config.mesh.pipeline stages (angel_jax/parallel/pipeline.py).
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | circular (virtual stages).
+    c.pipeline.microbatches = 4  # The batch goes through the stages in this many parts.
+    c.pipeline.virtual_stages = 1  # Chunks per stage, for the circular schedule.
+    # Layers per stage: auto (cost model: the embedding on the first stage, the LM head and
+    # loss on the last) | even | counts per chunk, e.g. "12,10".
+    c.pipeline.balance = "auto"
+    # Remat inside a stage's backward: auto (the fastest whose fullest stage fits the device
+    # memory) | none | full | dots | dots_no_batch (config.model.remat is then unused).
+    c.pipeline.remat = "auto"
+
     c.model = ml_collections.ConfigDict()
     c.model.num_layers = 2
     c.model.d_model = 64
@@ -77,6 +89,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.z_loss = 0.0  # Weight of mean(logsumexp(logits)^2).
     c.train.peak_tflops = 0.0  # Per device, for MFU; 0: from the device kind.
     c.train.tensorboard = True
+    # The learning rate from the batch size (angel_jax/optim/scaling.py): `lr` and
+    # `warmup_steps` are the values tuned at `lr_base_batch` sequences, moved to `batch_size` by
+    # none | linear | sqrt | surge (Adam's rule of arXiv 2405.14578, peaking at lr_noise_batch).
+    c.train.lr_scaling = "none"
+    c.train.lr_base_batch = 0  # 0: batch_size, i.e. no change.
+    c.train.lr_noise_batch = 0  # surge: the batch (sequences) at which the best lr peaks.
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ml_collections.FieldReference(None, field_type=str)  # None: default corpus.
@@ -87,6 +105,22 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 50  # 0 disables checkpoints.
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
+
+    # Fault handling (angel_jax/monitor.py): numeric anomalies, stragglers, hangs.
+    c.monitor = ml_collections.ConfigDict()
+    # A non-finite loss or grad norm, or a loss spike: skip (the update is dropped inside the
+    # step, the batch counts as used) | rollback (to the last checkpoint, the data moving on
+    # past the anomaly) | log (an event, nothing else).
+    c.monitor.on_anomaly = "skip"
+    c.monitor.spike_zscore = 0.0  # A loss above mean + z * std of the window is a spike; 0: off.
+    c.monitor.spike_window = 100  # Accepted losses the spike test looks back on (once full).
+    c.monitor.max_consecutive_anomalies = 10  # More in a row stop the run (exit status 4).
+    c.monitor.max_rollbacks = 5  # Per launch; one more stops the run (exit status 4).
+    c.monitor.rollback_skip_batches = 0  # Batches dropped after the anomalous one on rollback.
+    c.monitor.straggler_factor = 3.0  # Steps slower than this x the median are logged; 0: off.
+    c.monitor.straggler_window = 50  # Steps the median is taken over.
+    c.monitor.hang_timeout_s = 1800.0  # No step for this long: dump stacks, exit 3; 0: off.
+    c.monitor.first_step_timeout_s = 3600.0  # The same for the first step (restore, compile).
 
     # ZeRO-Cache: where model states live (angel_jax/offload/planner.py).
     c.offload = ml_collections.ConfigDict()
@@ -99,6 +133,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.ssd_dir = ""
     c.offload.ssd_gib = 0.0  # Budget on that disk per process; 0: its free space.
     c.offload.ssd_compress = False  # Optimizer state on disk in bfloat16 (masters stay fp32).
+
+    # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).
+    c.fp8 = ml_collections.ConfigDict()
+    c.fp8.matmul = False  # Layer projections in FP8 (e4m3 forward, e5m2 gradients).
+    c.fp8.collectives = False  # ZeRO-3's param all-gathers and grad reduce-scatters in FP8.
+    # PowerSGD rank for the data-parallel gradient average (optim/powersgd.py); 0: off.
+    c.train.powersgd_rank = 0
+    c.train.powersgd_start_step = 0  # Exact averaging before this step.
     return c
 
 
@@ -206,6 +248,25 @@ def head_dim(model: ml_collections.ConfigDict) -> int:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
+    if config.fp8.collectives and config.zero_stage != 3:
+        raise ConfigError(
+            f"config.fp8.collectives carries ZeRO-3's parameter all-gathers, but "
+            f"config.zero_stage={config.zero_stage}: set config.zero_stage=3 or turn it off"
+        )
+    if config.train.powersgd_rank:
+        others = [a for a, n in config.mesh.items() if a != "data" and n != 1]
+        if config.train.powersgd_rank < 0 or config.zero_stage > 1 or others:
+            raise ConfigError(
+                f"config.train.powersgd_rank={config.train.powersgd_rank} compresses the "
+                f"data-parallel average of replicated grads: it needs a positive rank, "
+                f"config.zero_stage 0 or 1 (here {config.zero_stage}) and no mesh axis but data "
+                f"(here {others or 'none'} > 1)"
+            )
+        if config.offload.policy != "none" or config.train.microbatches > 1:
+            raise ConfigError(
+                f"config.train.powersgd_rank={config.train.powersgd_rank} needs "
+                "config.offload.policy=none and config.train.microbatches=1"
+            )
     if config.offload.chunks_in_flight < 1:
         raise ConfigError(
             f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
@@ -257,6 +318,28 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.model.experts_per_token={m.experts_per_token}: must be between 1 and "
             f"config.model.num_experts={m.num_experts}"
         )
+    pc = config.pipeline
+    if pc.schedule not in ("gpipe", "1f1b", "circular"):
+        raise ConfigError(f"config.pipeline.schedule={pc.schedule!r}: use gpipe, 1f1b or circular")
+    for name in ("microbatches", "virtual_stages"):
+        if pc[name] < 1:
+            raise ConfigError(f"config.pipeline.{name}={pc[name]}: must be at least 1")
+    if pc.balance not in ("auto", "even") and not all(
+        n.strip().isdigit() for n in pc.balance.split(",")
+    ):
+        raise ConfigError(
+            f"config.pipeline.balance={pc.balance!r}: use auto, even or layer counts like 12,10"
+        )
+    if config.mesh.pipeline != 1 and t.batch_size % pc.microbatches:
+        raise ConfigError(
+            f"config.train.batch_size={t.batch_size} is not divisible by "
+            f"config.pipeline.microbatches={pc.microbatches}; change one so that it divides"
+        )
+    stage_remats = ("auto", "none", "full", "dots", "dots_no_batch")
+    if pc.remat not in stage_remats:
+        raise ConfigError(
+            f"config.pipeline.remat={pc.remat!r}: use one of {', '.join(stage_remats)}"
+        )
     if m.ring_blocks not in ("xla", "pallas"):
         raise ConfigError(f"config.model.ring_blocks={m.ring_blocks!r}: use xla or pallas")
     if m.dtype not in ("bfloat16", "float32", "float16"):
@@ -277,4 +360,48 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.checkpoint.keep={config.checkpoint.keep}: must be at least 1; "
             "set config.checkpoint.every_steps=0 to save none"
+        )
+    _validate_monitor(config)
+
+
+def _validate_monitor(config: ml_collections.ConfigDict) -> None:
+    mon, t = config.monitor, config.train
+    if mon.on_anomaly not in ("skip", "rollback", "log"):
+        raise ConfigError(
+            f"config.monitor.on_anomaly={mon.on_anomaly!r}: use skip, rollback or log"
+        )
+    for name in ("spike_zscore", "straggler_factor", "hang_timeout_s", "first_step_timeout_s"):
+        if mon[name] < 0:
+            raise ConfigError(f"config.monitor.{name}={mon[name]}: must be 0 (off) or more")
+    for name in ("spike_window", "straggler_window"):
+        if mon[name] < 2:
+            raise ConfigError(f"config.monitor.{name}={mon[name]}: must be at least 2")
+    if mon.max_consecutive_anomalies < 1:
+        raise ConfigError(
+            f"config.monitor.max_consecutive_anomalies={mon.max_consecutive_anomalies}: must be "
+            "at least 1"
+        )
+    if mon.max_rollbacks < 0 or mon.rollback_skip_batches < 0:
+        raise ConfigError(
+            f"config.monitor.max_rollbacks={mon.max_rollbacks}, rollback_skip_batches="
+            f"{mon.rollback_skip_batches}: neither may be negative"
+        )
+    if mon.on_anomaly == "rollback" and config.checkpoint.every_steps == 0:
+        raise ConfigError(
+            "config.monitor.on_anomaly=rollback needs checkpoints to roll back to; set "
+            "config.checkpoint.every_steps > 0 or use on_anomaly=skip"
+        )
+    if t.lr_scaling not in ("none", "linear", "sqrt", "surge"):
+        raise ConfigError(
+            f"config.train.lr_scaling={t.lr_scaling!r}: use none, linear, sqrt or surge"
+        )
+    if t.lr_base_batch < 0 or t.lr_noise_batch < 0:
+        raise ConfigError(
+            f"config.train.lr_base_batch={t.lr_base_batch}, lr_noise_batch={t.lr_noise_batch}: "
+            "neither may be negative"
+        )
+    if t.lr_scaling == "surge" and t.lr_noise_batch == 0:
+        raise ConfigError(
+            "config.train.lr_scaling=surge needs config.train.lr_noise_batch, the batch at "
+            "which the best learning rate peaks (B_noise, measured at small scale)"
         )

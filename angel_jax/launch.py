@@ -2,7 +2,10 @@
 
     python -m angel_jax.launch --config configs/tiny.py --workdir /tmp/run [--config.KEY=VALUE ...]
 
-Resumes from the latest complete checkpoint in --workdir when there is one.
+Resumes from the latest complete checkpoint in --workdir when there is one. Under SLURM (srun),
+Open MPI (mpirun) or with --coordinator/--num-processes/--process-id (or the environment variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) each process runs this same command
+and they train together as one multi-controller JAX program (angel_jax/cluster.py).
 """
 
 import argparse
@@ -10,6 +13,7 @@ import sys
 
 import jax
 
+from angel_jax import cluster, monitor
 from angel_jax.config import ConfigError, load_config
 
 
@@ -22,16 +26,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--workdir", required=True, help="metrics, TensorBoard logs, checkpoints")
+    group = parser.add_argument_group("multi-process runs (default: from SLURM or Open MPI)")
+    group.add_argument("--coordinator", help="HOST:PORT of process 0, the same on every process")
+    group.add_argument("--num-processes", type=int, help="processes in the run")
+    group.add_argument("--process-id", type=int, help="this process, 0 .. num_processes-1")
+    group.add_argument("--local-device-ids", help="this process's devices, e.g. 0,1 (default all)")
+    group.add_argument(
+        "--init-timeout-s", type=int, default=300, help="how long to wait for every process"
+    )
     args, overrides = parser.parse_known_args(argv)
     jax.config.update("jax_threefry_partitionable", True)
     try:
         config = load_config(args.config, overrides)
+        run = cluster.detect(
+            args.coordinator, args.num_processes, args.process_id, args.local_device_ids
+        )
+        cluster.initialize(run, args.init_timeout_s)
+        from angel_jax.metrics import say
         from angel_jax.train import train_loop
 
+        if run:
+            say(cluster.describe(run))
         train_loop(config, args.workdir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except monitor.Diverged as e:
+        print(f"error: diverged: {e}", file=sys.stderr)
+        return monitor.EXIT_DIVERGED
     return 0
 
 

@@ -1,20 +1,17 @@
 """The device mesh: six named axes, sized from `config.mesh`."""
 
+import collections
 import math
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from angel_jax.config import ConfigError
 
 # Outermost to innermost: devices that talk most (tensor) end up closest together.
 AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
-
-# Axes whose parallelism is not built yet; a size > 1 would silently replicate work.
-_NOT_YET = {
-    "pipeline": "pipeline parallelism",
-}
 
 
 def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
@@ -28,11 +25,6 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"config.mesh.{axis}={size}: axis sizes must be positive or -1")
-    for axis, what in _NOT_YET.items():
-        if sizes[axis] > 1:
-            raise ConfigError(
-                f"config.mesh.{axis}={sizes[axis]}: {what} is not implemented yet; set it to 1"
-            )
     known = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if num_devices % known:
@@ -51,15 +43,57 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
 
 
 def make_mesh(mesh_config: ml_collections.ConfigDict, devices=None) -> Mesh:
-    """Builds the mesh over `devices` (default: all), axes in `AXES` order."""
+    """Builds the mesh over `devices` (default: all), axes in `AXES` order.
+
+    Over several processes (hosts), each axis is split into a part inside a process and a part
+    across processes (`split_over_hosts`): the innermost axes stay inside a host, so tensor,
+    sequence and expert traffic uses the host's links and `data` spans the hosts.
+    """
     devices = jax.devices() if devices is None else devices
     sizes = mesh_shape(mesh_config, len(devices))
-    return jax.make_mesh(
-        tuple(sizes[a] for a in AXES),
-        AXES,
-        axis_types=(AxisType.Auto,) * len(AXES),
-        devices=devices,
-    )
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if len({d.process_index for d in devices}) == 1:
+        return jax.make_mesh(
+            tuple(sizes[a] for a in AXES), AXES, axis_types=axis_types, devices=devices
+        )
+    return Mesh(device_grid(sizes, devices), AXES, axis_types=axis_types)
+
+
+def device_grid(sizes: dict[str, int], devices) -> np.ndarray:
+    """`devices` of several processes as an array of the mesh's shape (`AXES` order), each
+    axis's part inside a process innermost (`split_over_hosts`)."""
+    per_process = collections.Counter(d.process_index for d in devices)
+    if len(set(per_process.values())) > 1:
+        raise ConfigError(
+            f"the processes have different device counts ({dict(sorted(per_process.items()))}); "
+            "give every process the same number of devices"
+        )
+    inside, across = split_over_hosts(sizes, len(devices) // len(per_process))
+    # As mesh_utils.create_hybrid_device_mesh(process_is_granule=True) arranges them, without
+    # depending on that experimental module: process-major, each process's devices by id.
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.empty(len(ordered), dtype=object)
+    grid[:] = ordered
+    n = len(AXES)
+    grid = grid.reshape([across[a] for a in AXES] + [inside[a] for a in AXES])
+    grid = grid.transpose([k for axis in range(n) for k in (axis, n + axis)])  # Across outer.
+    return grid.reshape([sizes[a] for a in AXES])
+
+
+def split_over_hosts(sizes: dict[str, int], per_host: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(Part of each axis inside a host, part across hosts): their products are the sizes.
+
+    Axes fill a host innermost first (tensor, sequence, context, expert, pipeline, data), each
+    taking as much of itself as still fits. An axis larger than what is left of a host spans
+    hosts, e.g. tensor=16 on hosts of 8 devices.
+    """
+    inside, room = {}, per_host
+    for axis in reversed(AXES):
+        inside[axis] = math.gcd(sizes[axis], room)
+        room //= inside[axis]
+    # Each prime's power in `per_host` is covered by the axes' (their product is a multiple
+    # of `per_host`), so the host is always filled: room == 1.
+    return {a: inside[a] for a in AXES}, {a: sizes[a] // inside[a] for a in AXES}
 
 
 def _fmt(sizes: dict[str, int]) -> str:

@@ -63,6 +63,14 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         " x ".join(f"config.mesh.{a}" for a in batch_axes),
         math.prod(mesh.shape[a] for a in batch_axes),
     )
+    pp = mesh.shape["pipeline"]
+    if pp > 1:  # Each pipeline microbatch is split over the batch axes.
+        _check_divisible(
+            "config.train.batch_size / config.pipeline.microbatches",
+            t.batch_size // config.pipeline.microbatches,
+            " x ".join(f"config.mesh.{a}" for a in batch_axes),
+            math.prod(mesh.shape[a] for a in batch_axes),
+        )
     # Sequence split over `context` (ring attention) and `sequence` (Ulysses), and in norm
     # regions also over `tensor` under Megatron sequence parallel.
     split = tuple(a for a in ("context", "sequence") if mesh.shape[a] > 1)
@@ -96,7 +104,8 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "head_dim": None,
         "mlp": "tensor",
         "vocab": "tensor",
-        "layers": None,
+        # Stacked layers, stored stage by stage (parallel/pipeline.py), split over the stages.
+        "layers": "pipeline" if pp > 1 else None,
         "expert": "expert" if ep > 1 else None,
     }
 
@@ -114,6 +123,13 @@ def active_mesh() -> Mesh | None:
 def active_spec(axes: tuple[str | None, ...]) -> P:
     """The PartitionSpec of logical `axes` under the active rules."""
     return logical_to_spec(axes, _active[-1][1])
+
+
+def shard_map_mesh(mesh: Mesh):
+    """The mesh for a shard_map or sharding constraint: inside a pipeline stage (a region
+    already manual over `pipeline`), the context's abstract mesh, which they must use."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if context.manual_axes else mesh
 
 
 def _check_divisible(name: str, value: int, axis_name: str, size: int) -> None:
@@ -145,6 +161,18 @@ def use_rules(mesh: Mesh, rules: Rules):
         _active.pop()
 
 
+@contextlib.contextmanager
+def no_rules():
+    """Turns `constrain` off: inside a `shard_map` manual over every split axis, each device
+    works on its own block and there is nothing left to lay out."""
+    saved = _active[:]
+    _active.clear()
+    try:
+        yield
+    finally:
+        _active[:] = saved
+
+
 def rule(name: str):
     """The mesh axes that logical axis `name` maps to now (None outside `use_rules`)."""
     return _active[-1][1][name] if _active else None
@@ -157,7 +185,8 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     mesh, rules = _active[-1]
     if x.ndim != len(axes):
         raise ValueError(f"array of shape {x.shape} given {len(axes)} logical axes {axes}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+    spec = logical_to_spec(axes, rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(shard_map_mesh(mesh), spec))
 
 
 def logical_axes(boxed_tree) -> dict:

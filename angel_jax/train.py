@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
-from angel_jax.models.llama import Llama, LlamaConfig, lm_head_kernel
+from angel_jax.models.llama import (
+    Llama,
+    LlamaConfig,
+    decoder_layer,
+    embed_tokens,
+    final_norm,
+    lm_head_kernel,
+)
+from angel_jax.monitor import skip_if_anomalous
 from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import (
@@ -39,7 +47,10 @@ from angel_jax.offload.stream import (
     unstack_like,
 )
 from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
+from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.parallel.attention import zigzag_order
+from angel_jax.parallel.pipeline import StageFunctions, pipeline_grads
+from angel_jax.parallel.stage_plan import PipelinePlan, make_pipeline_plan
 
 
 @flax.struct.dataclass
@@ -51,12 +62,22 @@ class TrainState:
     # or with layer streaming its layers in host memory; derived from `params`, so checkpoints
     # leave it out.
     compute_params: Any = None
+    # PowerSGD's state (config.train.powersgd_rank): per weight, Q and each replica's error.
+    comm: Any = None
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float):
-    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics."""
+def cross_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float, one_hot: bool = False
+):
+    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics. With
+    `one_hot` the target logits are picked by a one-hot product, not a gather: inside a
+    pipeline stage XLA's partitioner fails on that gather over data x tensor (jax 0.10)."""
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    if one_hot:
+        pick = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+        target_logit = jnp.sum(logits_BTV * pick, axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     loss = jnp.mean(logz_BT - target_logit)
     z = jnp.mean(jnp.square(logz_BT))
     return loss + z_loss * z, dict(loss=loss, z_loss=z)
@@ -109,6 +130,10 @@ class Experiment:
     # The optimizer update of offloaded states, run after the jitted forward/backward step.
     streamed_update: StreamedUpdate | None = None
     ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
+    # With config.mesh.pipeline > 1: the stages' layers, schedule and remat; the stacked
+    # layers are then stored stage by stage (`pipeline.layout`).
+    pipeline: PipelinePlan | None = None
+    powersgd: PowerSGD | None = None  # Compressed data-parallel averaging of the grads.
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
@@ -121,12 +146,19 @@ class Experiment:
 
     def _init_params(self, rng):
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
-        return nn.meta.unbox(self.model.init(rng, tokens)["params"])
+        params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
+        if self.pipeline:
+            params["layers"] = jax.tree.map(self.pipeline.layout.to_stages, params["layers"])
+        return params
 
     def _init(self, rng) -> TrainState:
         params = self._init_params(rng)
+        comm = None
+        if self.powersgd:
+            replicas = self.mesh.shape["data"]
+            comm = self.powersgd.init(params, self.stacked, replicas, jax.random.fold_in(rng, 1))
         return TrainState(
-            jnp.zeros((), jnp.int32), params, self.optimizer.init(params, self.stacked)
+            jnp.zeros((), jnp.int32), params, self.optimizer.init(params, self.stacked), None, comm
         )
 
     def _init_offloaded(self, rng) -> TrainState:
@@ -287,12 +319,16 @@ class Experiment:
             state = state.replace(params=masters, opt_state=opt)
         return state
 
-    def loss(self, params, tokens_BT1: jax.Array):
+    def _inputs_and_targets(self, tokens_BT1: jax.Array):
         inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
         if self.mesh.shape["context"] > 1:  # Ring attention's zigzag order (a mean is blind
             # to the order of its terms).
             order = zigzag_order(inputs_BT.shape[1], self.mesh.shape["context"])
             inputs_BT, targets_BT = inputs_BT[:, order], targets_BT[:, order]
+        return inputs_BT, targets_BT
+
+    def loss(self, params, tokens_BT1: jax.Array):
+        inputs_BT, targets_BT = self._inputs_and_targets(tokens_BT1)
         z_loss, chunks = self.config.train.z_loss, self.model_config.logits_chunks
         if chunks > 1:
             h_BTD, moe = self.model.apply(
@@ -325,6 +361,8 @@ class Experiment:
         """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
         float32 when accumulated over microbatches; streamed layers' grads in host memory
         (stacked, or one array per layer when accumulated)."""
+        if self.pipeline:
+            return self._pipeline_loss_and_grads(params, batch_BT1)
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         micro = self.config.train.microbatches
         if micro == 1:
@@ -344,6 +382,40 @@ class Experiment:
         metrics0 = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes)
         (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zero_grads()), micro_MBT)
         return jax.tree.map(lambda m: m / micro, metrics), grads
+
+    def _pipeline_loss_and_grads(self, params, batch_BT1: jax.Array):
+        """`loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
+        j + m, ... (float32 grads)."""
+        inputs_BT, targets_BT = self._inputs_and_targets(batch_BT1)
+        m = self.config.pipeline.microbatches
+        micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
+        cfg, z_loss = self.model_config, self.config.train.z_loss
+
+        def head_loss(shared, h_BTD, targets_BT):
+            h_BTD = final_norm(cfg, shared, h_BTD)
+            head_DV = lm_head_kernel(cfg, shared)
+            logits = jnp.einsum("btd,dv->btv", h_BTD, head_DV).astype(jnp.float32)
+            logits = sharding.constrain(logits, ("batch", "length", "vocab"))
+            return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
+
+        fns = StageFunctions(
+            functools.partial(embed_tokens, cfg), functools.partial(decoder_layer, cfg), head_loss
+        )
+        shared = {name: p for name, p in params.items() if name != "layers"}
+        metrics, layer_grads, shared_grads = pipeline_grads(
+            self.pipeline.schedule,
+            self.pipeline.layout,
+            fns,
+            self.mesh,
+            params["layers"],
+            shared,
+            micro(inputs_BT),
+            micro(targets_BT),
+            sharding.active_spec(("batch", "norm_length", "embed")),
+            jax.tree.map(lambda s: s.spec, self.grad_sharding),
+        )
+        metrics.pop("objective")
+        return metrics, self._constrain_grads({**shared_grads, "layers": layer_grads})
 
     @functools.cached_property
     def streamed(self):
@@ -393,12 +465,41 @@ class Experiment:
 
     def _train_step(self, state: TrainState, batch_BT1: jax.Array):
         """The whole step, with the masters and optimizer state on the device."""
-        metrics, grads = self.loss_and_grads(state.params, batch_BT1)
+        comm = state.comm
+        if self.powersgd:
+            metrics, grads, comm = self._powersgd_grads(state, batch_BT1)
+        else:
+            metrics, grads = self.loss_and_grads(state.params, batch_BT1)
         params, opt_state, norm = self.optimizer.update(
             grads, state.opt_state, state.params, self.stacked
         )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(self.config.train)(state.step))
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, None, comm), metrics
+
+    def _powersgd_grads(self, state: TrainState, batch_BT1: jax.Array):
+        """(metrics, grads, new PowerSGD state): each replica's grads on its rows of the batch
+        (the mesh has no other split axis), averaged through PowerSGD's low-rank factors
+        instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early grads
+        are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        start = self.config.train.powersgd_start_step
+
+        def per_replica(step, params, comm, batch):
+            with sharding.no_rules():
+                (_, metrics), grads = grad_fn(params, batch)
+            compressed = lambda: self.powersgd.average(grads, comm, self.stacked)
+            exact = lambda: (jax.lax.pmean(grads, "data"), comm)
+            grads, comm = jax.lax.cond(step >= start, compressed, exact)
+            return jax.lax.pmean(metrics, "data"), grads, comm
+
+        comm_specs = jax.tree.map(lambda s: s.spec, self.state_sharding.comm)
+        return jax.shard_map(
+            per_replica,
+            mesh=self.mesh,
+            in_specs=(P(), P(), comm_specs, P("data")),
+            out_specs=(P(), P(), comm_specs),
+            check_vma=False,
+        )(state.step, state.params, state.comm, batch_BT1)
 
     def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
         """The jitted part of an offloaded step: (step + 1, grads, their clipping scale,
@@ -467,6 +568,55 @@ class Experiment:
         def run(state, batch):
             with sharding.use_rules(self.mesh, self.rules):
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                return self.apply_streamed_update(state, step, grads, scale), metrics
+
+        return run
+
+    @functools.cached_property
+    def guarded_train_step(self):
+        """(state, batch, loss ceiling) -> (state, metrics): `train_step` that drops the update
+        of a step whose loss or grad norm is not finite or whose loss is above the ceiling
+        (`monitor.skip_if_anomalous`; the step count advances, metrics["skipped"] says it); the
+        state is donated. With offloaded states the jitted step's loss and grad norm are read
+        on the host (one sync a step) before the streamed update, which is left out when they
+        are anomalous."""
+        replicated = NamedSharding(self.mesh, P())
+        last = {}  # The ceiling's device copy, made again only when it changes.
+
+        def ceiling_array(ceiling: float) -> jax.Array:
+            value = np.float32(min(ceiling, np.finfo(np.float32).max))
+            if last.get("value") != value:
+                with jax.transfer_guard_host_to_device("allow"):  # One scalar, on purpose.
+                    last.update(
+                        value=value,
+                        array=jax.make_array_from_callback((), replicated, lambda _: value),
+                    )
+            return last["array"]
+
+        if not self.plan.offloads_optimizer:
+            jitted = jax.jit(
+                skip_if_anomalous(self._train_step),
+                in_shardings=(self.state_sharding, self.batch_sharding, replicated),
+                out_shardings=(self.state_sharding, replicated),
+                donate_argnums=0,
+            )
+            abstract_ceiling = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+            compiled = self._compile(
+                jitted, self.abstract_state, self._abstract_batch(), abstract_ceiling
+            )
+            return lambda state, batch, ceiling: compiled(state, batch, ceiling_array(ceiling))
+        grad_step = self.grad_step
+
+        def run(state, batch, ceiling):
+            with sharding.use_rules(self.mesh, self.rules):
+                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                loss, norm = (
+                    float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
+                )
+                ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
+                metrics["skipped"] = np.float32(not ok)
+                if not ok:
+                    return state.replace(step=step), metrics
                 return self.apply_streamed_update(state, step, grads, scale), metrics
 
         return run
@@ -562,14 +712,27 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
     rules = sharding.axis_rules(config, mesh)
-    model_config = LlamaConfig.from_config(config.model, jax.default_backend())
+    model_config = dataclasses.replace(
+        LlamaConfig.from_config(config.model, jax.default_backend()),
+        fp8_matmul=config.fp8.matmul,
+        # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
+        fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
+    )
     model = Llama(model_config)
     optimizer = make_optimizer(config.train)
+    pipeline = None
+    if mesh.shape["pipeline"] > 1:
+        pipeline = make_pipeline_plan(config, model_config, dict(mesh.shape))
+        model_config = dataclasses.replace(model_config, remat=pipeline.remat)
 
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     logical = sharding.logical_axes(boxed)
     abstract_params = nn.meta.unbox(boxed)
+    if pipeline:  # Stored stage by stage.
+        abstract_params["layers"] = jax.eval_shape(
+            lambda x: jax.tree.map(pipeline.layout.to_stages, x), abstract_params["layers"]
+        )
     stacked = jax.tree.map(lambda names: tuple(names[:1]) == ("layers",), logical)
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(p, stacked), abstract_params)
 
@@ -628,12 +791,26 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
                 )
             ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
         update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd)
+    powersgd = abstract_comm = comm_sharding = None
+    if config.train.powersgd_rank:
+        powersgd = PowerSGD(config.train.powersgd_rank)
+        replicas = mesh.shape["data"]
+        abstract_comm = jax.eval_shape(
+            lambda: powersgd.init(abstract_params, stacked, replicas, jax.random.key(0))
+        )
+        # Q is the replicas' common factor; the errors are each replica's own.
+        comm_sharding = jax.tree.map(
+            lambda s: (NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+            abstract_comm,
+            is_leaf=lambda s: isinstance(s, tuple),
+        )
     state_sharding = TrainState(
-        NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding
+        NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding, comm_sharding
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     abstract_state = _with_shardings(
-        TrainState(scalar, abstract_params, abstract_opt, abstract_compute), state_sharding
+        TrainState(scalar, abstract_params, abstract_opt, abstract_compute, abstract_comm),
+        state_sharding,
     )
     return Experiment(
         config=config,
@@ -650,16 +827,46 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         stacked=stacked,
         streamed_update=update,
         ssd=ssd,
+        pipeline=pipeline,
+        powersgd=powersgd,
     )
 
 
 def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
-    """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train.steps`.
+    """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train.steps`,
+    watched by a `monitor.Monitor` (anomalies, stragglers, hangs).
 
     Returns the last logged metrics.
     """
+    from angel_jax.monitor import Monitor
+
+    validate(config)
+    monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
+    try:
+        return _train_loop(config, workdir, monitor)
+    finally:
+        monitor.close()
+
+
+def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
+    """(state, next batch index) from the newest readable checkpoint, or a fresh state."""
+    found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy) if ckpt else None
+    if found is None:
+        return exp.init_state(), 0
+    for step, reason in found.unreadable:
+        say(
+            f"warning: checkpoint {ckpt.directory / str(step)} is unreadable ({reason}); set "
+            f"aside as {step}.unreadable, resuming from the one before"
+        )
+        monitor.events.write("unreadable_checkpoint", step, reason=reason)
+    say(f"resumed from {ckpt.directory / str(found.step)}")
+    return exp.from_checkpointed(found.state), found.data_index
+
+
+def _train_loop(config: ml_collections.ConfigDict, workdir: str, monitor) -> dict | None:
     from angel_jax.checkpoint import Checkpointer
     from angel_jax.data import make_batches
+    from angel_jax.data.loader import process_rows
     from angel_jax.mesh import make_mesh
     from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
 
@@ -672,7 +879,8 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         ) from None
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
-    batches = make_batches(config)  # Checks the data before any device memory is taken.
+    # This process's rows of each batch; checks the data before any device memory is taken.
+    batches = make_batches(config, process_rows(exp.batch_sharding, t.batch_size))
     ckpt = None
     if config.checkpoint.every_steps > 0:
         ckpt = Checkpointer(
@@ -681,14 +889,8 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
             config.checkpoint.keep,
             config.checkpoint.async_save,
         )
-    latest = ckpt.latest_step() if ckpt else None
-    train_step = exp.train_step  # Compiled before the state takes the device's memory.
-    if latest is not None:
-        state, data_index = ckpt.restore(latest, exp.checkpoint_target(), exp.plan.policy)
-        state = exp.from_checkpointed(state)
-        say(f"resumed from {ckpt.directory / str(latest)}")
-    else:
-        state, data_index = exp.init_state(), 0
+    train_step = monitor.step_fn(exp)  # Compiled before the state takes the device's memory.
+    state, data_index = _restore_or_init(exp, ckpt, monitor, say)
     start = int(jax.device_get(state.step))
 
     cfg = exp.model_config
@@ -700,6 +902,17 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
     )
     say(exp.plan.table())
+    if exp.pipeline:
+        say(exp.pipeline.table())
+    if t.lr_scaling != "none":
+        from angel_jax.optim.scaling import lr_and_warmup
+
+        lr, warmup = lr_and_warmup(t)
+        say(
+            f"learning rate {lr:.3g}, warmup {warmup} steps: config.train.lr={t.lr:g} and "
+            f"warmup_steps={t.warmup_steps} moved from batch {t.lr_base_batch or t.batch_size} "
+            f"to {t.batch_size} by lr_scaling={t.lr_scaling}"
+        )
     peak = peak_tflops(t.peak_tflops)
     if peak is None:
         say(
@@ -734,22 +947,37 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     t_last, step_last = time.perf_counter(), start
     pending = None
     batch_iter = batches.iterate(data_index)
-    for step in range(start, t.steps):
+    step = start
+    monitor.start(step, data_index)
+    while step < t.steps:
         batch = exp.global_batch(next(batch_iter))
         with jax.transfer_guard("disallow"):
             state, metrics = train_step(state, batch)
+        step, data_index = step + 1, data_index + 1
         if pending:  # Step t's metrics are read after step t+1 is dispatched.
             log(*pending)
             pending = None
-        if due(step + 1):
-            pending = (step + 1, metrics)
-        if ckpt and ckpt.should_save(step + 1, t.steps):
-            ckpt.save(
-                step + 1,
-                exp.checkpointed(state),
-                data_index + step + 1 - start,
-                exp.plan.policy,
-            )
+        if due(step):
+            pending = (step, metrics)
+        saving = ckpt is not None and ckpt.should_save(step, t.steps)
+        # Reads the previous step's loss (and this one's before a save: no anomalous state is
+        # ever saved).
+        rollback = monitor.observe(step, metrics, data_index, sync=saving)
+        if rollback:
+            ckpt.manager.wait_until_finished()  # Then free the state before restoring.
+            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+            state, _ = _restore_or_init(exp, ckpt, monitor, say)
+            step, data_index = int(jax.device_get(state.step)), rollback.data_index
+            monitor.rolled_back(step, rollback)
+            batch_iter = batches.iterate(data_index)
+            pending, t_last, step_last = None, time.perf_counter(), step
+            continue
+        if saving:
+            if pending:  # Read already: metrics.jsonl is complete up to every checkpoint.
+                log(*pending)
+                pending = None
+            ckpt.save(step, exp.checkpointed(state), data_index, exp.plan.policy)
+            monitor.saved(step)
     if pending:
         log(*pending)
     if ckpt:

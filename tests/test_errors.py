@@ -101,7 +101,6 @@ def test_mesh_shape_resolves_free_axis(sizes, devices, expected):
         (dict(data=-1, tensor=16), ["fixed axes multiply to 16"]),
         (dict(data=8, tensor=0), ["config.mesh.tensor=0", "positive or -1"]),
         (dict(data=-1, tensor=-2), ["config.mesh.tensor=-2"]),
-        (dict(data=4, pipeline=2), ["config.mesh.pipeline=2", "not implemented", "set it to 1"]),
     ],
 )
 def test_bad_mesh_sizes(sizes, names):
@@ -360,13 +359,43 @@ def damage_data_item(step_dir: pathlib.Path) -> None:
             f.write_text("{not json")
 
 
-@pytest.mark.parametrize(
-    "damage", [truncate_all, empty_manifests, scribble_on_arrays, damage_data_item]
-)
+@pytest.mark.parametrize("damage", [empty_manifests, scribble_on_arrays, damage_data_item])
 def test_cli_corrupt_checkpoint(trained, tmp_path, damage):
+    """Every checkpoint damaged: one line naming the newest (nothing is set aside). A truncated
+    one is in test_cli_truncated_latest_checkpoint_falls_back."""
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
     damage(workdir / "checkpoints" / "2")
+    damage(workdir / "checkpoints" / "1")
     result = launch(workdir, "--config.data.synthetic=true", "--config.checkpoint.every_steps=1")
-    line = assert_one_line_error(result, f"checkpoint {workdir / 'checkpoints' / '2'} ")
-    assert "delete that directory" in line
+    line = assert_one_line_error(
+        result,
+        f"none of the checkpoints in {workdir / 'checkpoints'} (steps 2, 1) can be read",
+        f"the newest, {workdir / 'checkpoints' / '2'}: ",
+    )
+    assert "the config they were saved with" in line
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_cli_truncated_latest_checkpoint_falls_back(trained, tmp_path):
+    """A truncated newest checkpoint is detected; the run resumes from the one before, sets the
+    damaged one aside and trains on, saving a good checkpoint in its place."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    truncate_all(workdir / "checkpoints" / "2")
+    result = launch(workdir, "--config.data.synthetic=true", "--config.checkpoint.every_steps=1")
+    assert result.returncode == 0, result.stderr
+    assert f"warning: checkpoint {workdir / 'checkpoints' / '2'} is unreadable" in result.stderr
+    assert f"resumed from {workdir / 'checkpoints' / '1'}" in result.stderr
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [
+        "1",
+        "2",
+        "2.unreadable",
+    ]
+    (event,) = [json.loads(line) for line in (workdir / "events.jsonl").open()]
+    assert event["kind"] == "unreadable_checkpoint" and event["step"] == 2
+    exp = small_experiment("--config.data.synthetic=true")
+    ckpt = Checkpointer(str(workdir), every_steps=1, keep=3)
+    state, data_index = ckpt.restore(2, exp.abstract_state)
+    ckpt.close()
+    assert int(state.step) == 2 and data_index == 2

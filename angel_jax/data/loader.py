@@ -32,11 +32,38 @@ class Batches:
         return iter(self._dataset[start:].to_iter_dataset(read))
 
 
-def make_batches(config: ml_collections.ConfigDict) -> Batches:
-    """Batches of this process's rows, int32 tokens of shape (rows, seq_len + 1)."""
+def process_rows(batch_sharding: jax.sharding.Sharding, batch_size: int) -> tuple[int, int]:
+    """The rows [lo, hi) of the global batch that this process's devices hold.
+
+    With `data` across hosts that is this process's share; an axis that replicates the batch
+    over processes (e.g. data=1 with tensor across hosts) gives several processes the same rows.
+    """
+    spans = {
+        (index[0].start or 0, batch_size if index[0].stop is None else index[0].stop)
+        for index in batch_sharding.addressable_devices_indices_map((batch_size, 1)).values()
+    }
+    spans = sorted(spans)
+    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+        if start != stop:
+            raise ConfigError(
+                f"this process's devices hold rows {spans} of the batch, not one contiguous "
+                "block; let config.mesh.data span the hosts (the mesh puts it outermost)"
+            )
+    return spans[0][0], spans[-1][1]
+
+
+def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None = None) -> Batches:
+    """Batches of this process's rows, int32 tokens of shape (rows, seq_len + 1).
+
+    `rows`: the rows [lo, hi) of the global batch to load (`process_rows`); by default an
+    even share by process index.
+    """
     t, seed = config.train, config.seed
-    rows = t.batch_size // jax.process_count()
-    lo = jax.process_index() * rows
+    if rows is None:
+        share = t.batch_size // jax.process_count()
+        rows = (jax.process_index() * share, (jax.process_index() + 1) * share)
+    lo, hi = rows
+    rows = hi - lo  # How many.
     length = t.seq_len + 1
 
     if config.data.synthetic and config.data.path is None:

@@ -4,6 +4,8 @@ Megatron split: Q/K/V projections are column-parallel over heads, the output pro
 row-parallel, so tensor parallel needs one reduction per attention block.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -37,19 +39,17 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     ring_blocks: str = "xla"  # Ring attention's block math (context axis): "xla" or "pallas".
     fp8: bool = False  # Projections through FP8 (Linear.fp8).
+    fp8_gather: bool = False  # ZeRO-3 all-gathers of their kernels in FP8 (Linear.fp8_gather).
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BTNH = Linear(
-            (n, h), ("embed", "heads", "head_dim"), self.dtype, fp8=self.fp8, name="query"
-        )(x_BTD)
-        k_BTKH = Linear(
-            (k, h), ("embed", "kv_heads", "head_dim"), self.dtype, fp8=self.fp8, name="key"
-        )(x_BTD)
-        v_BTKH = Linear(
-            (k, h), ("embed", "kv_heads", "head_dim"), self.dtype, fp8=self.fp8, name="value"
-        )(x_BTD)
+        linear = functools.partial(
+            Linear, dtype=self.dtype, fp8=self.fp8, fp8_gather=self.fp8_gather
+        )
+        q_BTNH = linear((n, h), ("embed", "heads", "head_dim"), name="query")(x_BTD)
+        k_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="key")(x_BTD)
+        v_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="value")(x_BTD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
         length = x_BTD.shape[1]
         mesh, split = sharding.active_mesh(), sharding.rule("length")
@@ -87,6 +87,5 @@ class Attention(nn.Module):
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )
-        return Linear(
-            (x_BTD.shape[-1],), ("heads", "head_dim", "embed"), self.dtype, fp8=self.fp8, name="out"
-        )(o_BTNH)
+        out = linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), name="out")
+        return out(o_BTNH)

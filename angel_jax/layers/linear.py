@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from angel_jax.sharding import constrain
+from angel_jax.parallel.fp8_collectives import zero3_dot
+from angel_jax.sharding import active_mesh, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -69,6 +70,7 @@ class Linear(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
+    fp8_gather: bool = False  # ZeRO-3's all-gather of the kernel in FP8 (zero3_dot).
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -81,10 +83,12 @@ class Linear(nn.Module):
             (*in_shape, *self.features),
             self.param_dtype,
         )
-        kernel = constrain(kernel.astype(self.dtype), self.axes)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        dims, x = (contract, ((), ())), x.astype(self.dtype)
         dot = fp8_dot_general if self.fp8 else jax.lax.dot_general
-        return dot(x.astype(self.dtype), kernel, (contract, ((), ())))
+        if self.fp8_gather and active_mesh() is not None:
+            return zero3_dot(x, kernel.astype(self.dtype), self.axes, dims, dot)
+        return dot(x, constrain(kernel.astype(self.dtype), self.axes), dims)
 
 
 class Embed(nn.Module):

@@ -56,6 +56,8 @@ class LlamaConfig:
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
     # copies its layer's to the device (and, in the backward pass, its grads back).
     stream_params: bool = False
+    fp8_matmul: bool = False  # Projections through FP8 (config.fp8.matmul).
+    fp8_gather: bool = False  # ZeRO-3's all-gathers of projection weights in FP8.
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
@@ -131,6 +133,8 @@ class DecoderLayer(nn.Module):
             cfg.attention,
             dtype,
             cfg.ring_blocks,
+            cfg.fp8_matmul,
+            cfg.fp8_gather,
             name="attn",
         )(x)
         residual = ("batch", "norm_length", "embed")
@@ -138,7 +142,8 @@ class DecoderLayer(nn.Module):
         x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
         if not cfg.num_experts:
-            return constrain(h_BTD + SwiGLU(cfg.ffn_dim, dtype, name="mlp")(x), residual), {}
+            mlp = SwiGLU(cfg.ffn_dim, dtype, cfg.fp8_matmul, cfg.fp8_gather, name="mlp")
+            return constrain(h_BTD + mlp(x), residual), {}
         y, stats = MoE(
             cfg.num_experts,
             cfg.experts_per_token,
@@ -211,3 +216,31 @@ def lm_head_kernel(cfg: LlamaConfig, params) -> jax.Array:
     if cfg.tie_embeddings:
         return constrain(params["embed"]["embedding"].astype(dtype), ("vocab", "embed")).T
     return constrain(params["lm_head"]["kernel"].astype(dtype), ("embed", "vocab"))
+
+
+# The model cut into pieces for a pipeline (parallel/pipeline.py): the same modules as `Llama`,
+# applied to its params' subtrees.
+
+
+def embed_tokens(cfg: LlamaConfig, params, tokens_BT: jax.Array) -> jax.Array:
+    embed = Embed(cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.dtype))
+    h_BTD = embed.apply({"params": params["embed"]}, tokens_BT)
+    return constrain(h_BTD, ("batch", "norm_length", "embed"))
+
+
+def decoder_layer(cfg: LlamaConfig, layer_params, h_BTD: jax.Array) -> jax.Array:
+    """One layer (params: one slice of the stacked `layers`), under the config's remat."""
+
+    def apply(layer_params, h_BTD):
+        return DecoderLayer(cfg).apply({"params": layer_params}, h_BTD)[0]
+
+    if cfg.remat != "none":
+        apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
+    return apply(layer_params, h_BTD)
+
+
+def final_norm(cfg: LlamaConfig, params, h_BTD: jax.Array) -> jax.Array:
+    """The final RMSNorm: the states the LM head (`lm_head_kernel`) turns into logits."""
+    norm = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype))
+    h_BTD = norm.apply({"params": params["final_norm"]}, h_BTD)
+    return constrain(h_BTD, ("batch", "length", "embed"))

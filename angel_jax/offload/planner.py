@@ -105,7 +105,7 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     if o.device_gib > 0:
         device = int(o.device_gib * 2**30)
     else:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
     host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
     if jax.default_backend() == "gpu":  # XLA's pinned-host pool stops at its cap.

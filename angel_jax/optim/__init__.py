@@ -13,14 +13,19 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from angel_jax.optim.scaling import lr_and_warmup
+
 
 def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup, then cosine decay; the peak and the warmup follow the batch size when
+    `train.lr_scaling` asks for it (optim/scaling.py)."""
+    lr, warmup_steps = lr_and_warmup(train)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=train.lr,
-        warmup_steps=min(train.warmup_steps, train.steps),
-        decay_steps=max(train.steps, train.warmup_steps + 1),
-        end_value=train.lr * train.min_lr_ratio,
+        peak_value=lr,
+        warmup_steps=min(warmup_steps, train.steps),
+        decay_steps=max(train.steps, warmup_steps + 1),
+        end_value=lr * train.min_lr_ratio,
     )
 
 

@@ -1,13 +1,13 @@
 """PowerSGD (Vogels et al., 2019): data-parallel gradient averaging through rank-r factors, with
 error feedback.
 
-Each replica views its gradient of a weight as a matrix M (the split of its dims that is the
-most square), adds the error it carried from the last step, and the replicas agree on a
+Each replica views its gradient of a layer's weight as a matrix M (the split of its dims that
+is the most square), adds the error it carried from the last step, and the replicas agree on a
 rank-r approximation of their mean: P = mean(M Q) over replicas, orthonormalised; then
 Q' = mean(M^T P); the mean is taken as P Q'^T, and what it misses of each replica's M stays in
 that replica's error for the next step. Q' warm-starts the next step's power iteration. On the
-wire: r (rows + cols) numbers per matrix instead of rows x cols. Vectors and matrices too small
-to gain are averaged exactly. A weight stacked over layers is one matrix per layer.
+wire: r (rows + cols) numbers per matrix instead of rows x cols. The embedding, the LM head,
+vectors and matrices too small to gain are averaged exactly.
 
 Call `average` inside `shard_map` over `axis_name`; the errors are per replica (their global
 arrays carry a leading replica axis, split over `axis_name`).
@@ -32,14 +32,14 @@ class PowerSGD:
     rank: int
     axis_name: str = "data"
 
-    def compresses(self, shape: tuple[int, ...]) -> bool:
-        if len(shape) < 2:
+    def compresses(self, param, is_stacked: bool) -> bool:
+        """The layers' matrices that rank-r factors make smaller. The embedding and LM head
+        are averaged exactly: their grads (rows of the tokens seen) compress badly."""
+        shape = param.shape[1:]
+        if not is_stacked or len(shape) < 2:
             return False
         rows, cols = matrix_shape(shape)
         return self.rank * (rows + cols) < rows * cols
-
-    def _layer_shape(self, param, is_stacked):
-        return param.shape[1:] if is_stacked else param.shape
 
     def init(self, params, stacked, replicas: int, key):
         """Per parameter: (Q (cols, r) [per layer], this replica's error like the param [with
@@ -48,11 +48,9 @@ class PowerSGD:
         keys = jax.random.split(key, len(leaves))
 
         def one(param, is_stacked, k):
-            shape = self._layer_shape(param, is_stacked)
-            if not self.compresses(shape):
+            if not self.compresses(param, is_stacked):
                 return None
-            cols = matrix_shape(shape)[1]
-            q_shape = (param.shape[0], cols, self.rank) if is_stacked else (cols, self.rank)
+            q_shape = (param.shape[0], matrix_shape(param.shape[1:])[1], self.rank)
             error = jnp.zeros((replicas, *param.shape), jnp.float32)
             return jax.random.normal(k, q_shape, jnp.float32), error
 
@@ -68,8 +66,7 @@ class PowerSGD:
             if s is None:
                 return jax.lax.pmean(grad, self.axis_name), None
             q, error = s
-            step = jax.vmap(self._compress) if is_stacked else self._compress
-            mean, q, error = step(grad.astype(jnp.float32) + error[0], q)
+            mean, q, error = jax.vmap(self._compress)(grad.astype(jnp.float32) + error[0], q)
             return mean.astype(grad.dtype), (q, error[None])
 
         # `grads` is a prefix of the other trees: each call gets one parameter's whole state.
@@ -92,12 +89,9 @@ class PowerSGD:
         for param, is_stacked in zip(
             jax.tree.leaves(params), jax.tree.leaves(stacked), strict=True
         ):
-            layers = param.shape[0] if is_stacked else 1
-            shape = self._layer_shape(param, is_stacked)
             full += param.size
-            if self.compresses(shape):
-                rows, cols = matrix_shape(shape)
-                sent += layers * self.rank * (rows + cols)
+            if self.compresses(param, is_stacked):
+                sent += param.shape[0] * self.rank * sum(matrix_shape(param.shape[1:]))
             else:
                 sent += param.size
         return sent, full

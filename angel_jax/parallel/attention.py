@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
+from angel_jax.sharding import shard_map_mesh
 from kernels_pallas.flash_block import flash_block_backward, flash_block_forward
 
 F32 = jnp.float32
@@ -318,5 +319,9 @@ def sequence_parallel_attention(
         return out
 
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+        local,
+        mesh=shard_map_mesh(mesh),
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        check_vma=False,
     )(q, k, v)

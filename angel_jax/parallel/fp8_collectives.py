@@ -16,7 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from angel_jax import sharding
 from kernels_pallas import fp8
 
 F32 = jnp.float32
@@ -87,3 +89,28 @@ def _reduce_scatter_bwd(axis_name, axis, block, _, ct):
 
 
 reduce_scatter_fp8.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
+
+
+def zero3_dot(x, w, axes: tuple[str, ...], dimension_numbers, dot=jax.lax.dot_general):
+    """`dot(x, w, dimension_numbers)` for a weight that ZeRO-3 stores split over `data`, with the
+    weight all-gathered in FP8 (and its gradient reduce-scattered in FP8) instead of by XLA in
+    the compute dtype. x is batch-first, its batch split over `data`; `axes` are w's logical
+    axes. Only `data` is manual: tensor and sequence splits stay XLA's."""
+    mesh = sharding.active_mesh()
+    stored = sharding.zero_spec(sharding.active_spec(axes), w.shape, mesh)
+    if "data" not in stored:  # Too small to split: replicated, nothing to gather.
+        return dot(x, sharding.constrain(w, axes), dimension_numbers)
+    dim = list(stored).index("data")
+    w_spec = P(*("data" if d == dim else None for d in range(w.ndim)))
+
+    def local(x, w):
+        return dot(x, all_gather_fp8(w, "data", dim), dimension_numbers)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P("data"), w_spec),
+        out_specs=P("data"),
+        axis_names={"data"},
+        check_vma=False,
+    )(x, w)

@@ -1,0 +1,280 @@
+"""Stage balancing: a cost model of the pipeline's chunks, the layer split it picks, and the
+remat policy.
+
+Costs are estimated from the model config, per microbatch and per device (the other mesh
+axes split each chunk's work evenly). A layer's forward costs 2 x its matmul params + 2 T N H
+(causal attention) FLOPs per token; the first chunk adds the embedding (a lookup: no FLOPs, its
+grad a scatter), the last the final norm, LM head and loss (2 D V + 5 V per token). In the
+pipeline (parallel/pipeline.py) a chunk's F costs its forward (the last chunk's F costs
+nothing: its B computes it) and its B a forward again, the backward (2 forwards) and what the
+remat policy recomputes. A step then lasts, tick by tick, as long as the costliest F plus the
+costliest B (`critical_path`). `balance=auto` splits the layers so that this is shortest;
+`even` gives every chunk the same count (the remainder to the first ones); "12,10" gives
+the counts of chunk 0, 1, ... (chunk k on stage k mod p).
+
+Memory per device: the state (fp32 masters, grads, the pipeline's fp32 grad accumulators and
+AdamW moments, with ZeRO's `data` split), every stage holding the embedding and head; the kept
+chunk inputs (the schedule's live slots); and one microbatch's saved activations in a B. One
+program runs on every stage, so each allocates what the fullest stage needs: padded layer slots
+and the same remat policy everywhere. `remat=auto` picks the fastest policy whose fullest
+stage fits the device memory (config.offload.device_gib, else what the device reports).
+"""
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+import numpy as np
+
+from angel_jax.config import ConfigError
+from angel_jax.metrics import peak_tflops
+from angel_jax.models.llama import LlamaConfig
+from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
+
+# Extra forward work a policy recomputes in a backward, as a share of the layer's attention
+# (batch dims) and of its weight matmuls; and the bytes per token it keeps for the backward in
+# units of (model dim, attention width, KV width, FFN width), flash attention assumed.
+RECOMPUTE = {"none": (0, 0), "dots": (1, 0), "dots_no_batch": (1, 0), "full": (1, 1)}
+SAVED_WIDTHS = {
+    "none": (6, 2, 2, 3),
+    "dots": (3, 2, 2, 2),
+    "dots_no_batch": (3, 2, 2, 2),
+    "full": (1, 0, 0, 0),
+}
+AUTO_REMAT_ORDER = ("none", "dots_no_batch", "full")  # Fastest first.
+ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    layout: StageLayout
+    schedule: Schedule
+    remat: str
+    forward_flops: np.ndarray  # (chunks,) per microbatch and device.
+    backward_flops: np.ndarray  # (chunks,)
+    memory_bytes: np.ndarray  # (stages,) per device.
+    peak_tflops: float | None
+
+    def stage_busy_flops(self) -> np.ndarray:
+        """(stages,) the FLOPs each stage computes in a step."""
+        p, m = self.schedule.stages, self.schedule.microbatches
+        per_chunk = (self.forward_flops + self.backward_flops) * m
+        return per_chunk.reshape(-1, p).sum(axis=0)
+
+    def step_flops(self) -> float:
+        """The step's critical path in FLOPs (see `critical_path`)."""
+        return critical_path(self.schedule, self.forward_flops, self.backward_flops)
+
+    def _ms(self, flops: float) -> str:
+        if not self.peak_tflops:
+            return "-"
+        return f"{flops / (self.peak_tflops * 1e12 * ASSUMED_MFU) * 1e3:.1f}"
+
+    def table(self) -> str:
+        p, v = self.schedule.stages, self.schedule.virtual
+        rows = [("stage", "layers", "GFLOP/step", "busy ms", "memory GiB")]
+        chunks = np.asarray(self.layout.layers_per_chunk).reshape(v, p)
+        busy = self.stage_busy_flops()
+        for s in range(p):
+            rows.append(
+                (
+                    str(s) + (" +embed" if s == 0 else "") + (" +head" if s == p - 1 else ""),
+                    "+".join(str(n) for n in chunks[:, s]),
+                    f"{busy[s] / 1e9:.1f}",
+                    self._ms(busy[s]),
+                    f"{self.memory_bytes[s] / 2**30:.2f}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        sched = self.schedule
+        lines.append(
+            f"schedule {sched.name}: {p} stages x {v} virtual, {sched.microbatches} "
+            f"microbatches, {sched.ticks} ticks, bubble {sched.bubble():.3f}, "
+            f"{sched.slots} kept inputs per stage, remat {self.remat}, step "
+            f"{self._ms(self.step_flops())} ms predicted (at {ASSUMED_MFU:.0%} of peak)"
+        )
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def layer_forward_flops(cfg: LlamaConfig, seq_len: int, remat: str) -> tuple[float, float]:
+    """(forward FLOPs of one layer per token, what `remat` recomputes of it in a backward)."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    matmul = 2 * (attn + 3 * cfg.d_model * cfg.ffn_dim)
+    attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
+    share_attention, share_matmul = RECOMPUTE[remat]
+    return matmul + attention, share_attention * attention + share_matmul * matmul
+
+
+def critical_path(schedule: Schedule, forward: np.ndarray, backward: np.ndarray) -> float:
+    """A step's time in FLOPs when chunk k's F costs forward[k] and its B backward[k]: each
+    tick's F phase lasts as long as its costliest F, its B phase likewise (each phase ends in a
+    ppermute that every stage joins)."""
+    total = 0.0
+    stage = np.arange(schedule.stages)[None, :]
+    for table, cost in ((schedule.forward, forward), (schedule.backward, backward)):
+        chunk = table[..., 1] * schedule.stages + stage
+        total += np.where(table[..., 0] != IDLE, cost[chunk], 0.0).max(axis=1).sum()
+    return float(total)
+
+
+def balance_layers(num_layers: int, chunks: int, cost) -> tuple[int, ...]:
+    """Layers per chunk (each at least one) minimising `cost(counts)`. The first and last
+    chunks differ from the rest (the embedding, the head, the skipped F), so their counts are
+    searched and the chunks between share the other layers evenly. Ties go to the split whose
+    largest chunk is smallest (less padding)."""
+    if chunks == 1:
+        return (num_layers,)
+    best_key, best = None, None
+    for n_first in range(1, num_layers - chunks + 2):
+        for n_last in range(1, num_layers - n_first - (chunks - 2) + 1):
+            middle = num_layers - n_first - n_last
+            if chunks == 2 and middle:
+                continue
+            counts = (n_first, *(even_layers(middle, chunks - 2) if chunks > 2 else ()), n_last)
+            key = (cost(counts), max(counts))
+            if best_key is None or key < best_key:
+                best_key, best = key, counts
+    return best
+
+
+def even_layers(num_layers: int, chunks: int) -> tuple[int, ...]:
+    base, extra = divmod(num_layers, chunks)
+    return tuple(base + (i < extra) for i in range(chunks))
+
+
+def given_layers(text: str, num_layers: int, chunks: int) -> tuple[int, ...]:
+    """config.pipeline.balance as an explicit split, e.g. "12,10"."""
+    counts = tuple(int(n) for n in text.split(","))
+    if len(counts) != chunks or sum(counts) != num_layers or min(counts) < 1:
+        raise ConfigError(
+            f"config.pipeline.balance={text!r}: give {chunks} positive layer counts (one per "
+            f"chunk, stage-major) adding up to config.model.num_layers={num_layers}, or use "
+            "auto or even"
+        )
+    return counts
+
+
+def make_pipeline_plan(
+    config: ml_collections.ConfigDict, cfg: LlamaConfig, mesh_shape: dict[str, int]
+) -> PipelinePlan:
+    """The plan for `config.pipeline` on a mesh of `mesh_shape`; checks the settings."""
+    pc, t = config.pipeline, config.train
+    p, v, m = mesh_shape["pipeline"], pc.virtual_stages, pc.microbatches
+    chunks = p * v
+    unsupported = {
+        "config.train.microbatches": (
+            t.microbatches,
+            1,
+            "the pipeline's microbatches are config.pipeline.microbatches",
+        ),
+        "config.offload.policy": (
+            config.offload.policy,
+            "none",
+            "offload is not built for pipeline stages",
+        ),
+        "config.model.num_experts": (
+            cfg.num_experts,
+            0,
+            "mixture-of-experts layers are not built for pipeline stages",
+        ),
+        "config.model.scan_layers": (cfg.scan_layers, True, "stages stack their layers"),
+        "config.model.logits_chunks": (
+            cfg.logits_chunks,
+            1,
+            "the last stage computes one microbatch's logits at a time already",
+        ),
+        # Ring attention's ppermute would run inside branches that only some stages take,
+        # and XLA:CPU's collective-permute waits for every device of the mesh.
+        "config.mesh.context": (
+            mesh_shape["context"],
+            1,
+            "ring attention inside pipeline stages is not supported yet",
+        ),
+    }
+    for name, (value, needed, why) in unsupported.items():
+        if value != needed:
+            raise ConfigError(
+                f"{name}={value} with config.mesh.pipeline={p}: {why}; set {name}={needed}"
+            )
+    if cfg.num_layers < chunks:
+        raise ConfigError(
+            f"config.model.num_layers={cfg.num_layers} is fewer than config.mesh.pipeline x "
+            f"config.pipeline.virtual_stages = {chunks} chunks; every chunk needs a layer: "
+            "lower one of them"
+        )
+    schedule = make_schedule(pc.schedule, p, m, v)
+    others = math.prod(n for a, n in mesh_shape.items() if a != "pipeline")
+    tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
+    budget = _device_budget(config)
+    options = AUTO_REMAT_ORDER if pc.remat == "auto" else (pc.remat,)
+    plans = [_plan(config, cfg, mesh_shape, schedule, tokens, r) for r in options]
+    fitting = [plan for plan in plans if plan.memory_bytes.max() <= budget]
+    return fitting[0] if fitting else plans[-1]
+
+
+def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
+    p, v = schedule.stages, schedule.virtual
+    chunks = p * v
+    layer, recompute = (tokens * f for f in layer_forward_flops(cfg, config.train.seq_len, remat))
+    head = tokens * (2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size)
+
+    def chunk_flops(counts):
+        """(F, B) FLOPs per chunk and microbatch: a layer's F is a forward, its B a forward
+        again, the backward (2 forwards) and the remat's recompute; the last chunk skips F and
+        its B adds the head's forward and backward."""
+        n = np.asarray(counts, np.float64)
+        forward = n * layer
+        forward[-1] = 0.0
+        backward = n * (3 * layer + recompute)
+        backward[-1] += 3 * head
+        return forward, backward
+
+    if config.pipeline.balance == "auto":
+        counts = balance_layers(
+            cfg.num_layers, chunks, lambda c: critical_path(schedule, *chunk_flops(c))
+        )
+    elif config.pipeline.balance == "even":
+        counts = even_layers(cfg.num_layers, chunks)
+    else:
+        counts = given_layers(config.pipeline.balance, cfg.num_layers, chunks)
+    forward, backward = chunk_flops(counts)
+    layout = StageLayout(p, v, tuple(counts))
+    memory = _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat)
+    return PipelinePlan(
+        layout, schedule, remat, forward, backward, memory, peak_tflops(config.train.peak_tflops)
+    )
+
+
+def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> np.ndarray:
+    """(stages,) estimated bytes per device."""
+    p, v = schedule.stages, schedule.virtual
+    dp, tp = mesh_shape["data"], mesh_shape["tensor"]
+    zero = config.zero_stage
+    # Master, grad, pipeline accumulator, two AdamW moments (fp32), ZeRO's share over data.
+    per_param = (4 / (dp if zero >= 3 else 1) + 4 / (dp if zero >= 2 else 1) + 4) + 8 / (
+        dp if zero >= 1 else 1
+    )
+    layer_params = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    layer_params += 3 * cfg.d_model * cfg.ffn_dim
+    shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    state = (layout.slots * v * layer_params + shared) * per_param / tp
+    dtype_bytes = np.dtype(cfg.dtype).itemsize
+    kept = schedule.slots * tokens * cfg.d_model * dtype_bytes
+    widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    widths += (cfg.ffn_dim / tp,)
+    saved = sum(u * w for u, w in zip(SAVED_WIDTHS[remat], widths, strict=True)) * dtype_bytes
+    chunks = np.asarray(layout.layers_per_chunk).reshape(v, p)
+    activations = chunks.max(axis=0) * tokens * saved
+    logits = tokens * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, last stage.
+    memory = state + kept + activations
+    memory[-1] += logits
+    return memory
+
+
+def _device_budget(config) -> float:
+    if config.offload.device_gib > 0:
+        return config.offload.device_gib * 2**30
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return float(stats.get("bytes_limit", math.inf))

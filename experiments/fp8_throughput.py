@@ -1,0 +1,52 @@
+"""FP8 speed: FP8 matmuls against bf16 on the visible GPUs, and with two or more GPUs the FP8
+ZeRO-3 collectives against XLA's bf16 ones, side by side in one job.
+
+    python experiments/fp8_throughput.py [--config configs/llama_1b.py] [--out FILE]
+
+Every variant is its own process (throughput.py's worker) on the same shape and random tokens;
+the table gives tokens/s, MFU, peak memory and each variant's ratio to the first (bf16) one.
+"""
+
+import argparse
+import json
+import sys
+
+from throughput import ROOT, run_ours, write_results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
+    p.add_argument("--devices", type=int, default=1, help="data axis size (ZeRO-3 when > 1)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=str(ROOT / "experiments/results/fp8_throughput.json"))
+    a = p.parse_args()
+    base = [f"--config.mesh.data={a.devices}"]
+    if a.devices > 1:
+        base.append("--config.zero_stage=3")
+    variants = [("bf16", []), ("fp8 matmul", ["--config.fp8.matmul=true"])]
+    if a.devices > 1:
+        variants += [
+            ("fp8 collectives", ["--config.fp8.collectives=true"]),
+            ("fp8 both", ["--config.fp8.matmul=true", "--config.fp8.collectives=true"]),
+        ]
+    results = []
+    for name, overrides in variants:
+        timing = run_ours(a.config, [*base, *overrides], a.steps, warmup=3)
+        results.append({**timing, "system": name, "overrides": [*base, *overrides]})
+        print(json.dumps(results[-1]), flush=True)
+    first = results[0].get("tokens_per_s")
+    print(f"\n{'variant':<18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs bf16':>8}")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['system']:<18} failed: {r.get('error')}")
+            continue
+        ratio = f"{r['tokens_per_s'] / first:.3f}" if first else "-"
+        tps, mfu, peak = r["tokens_per_s"], r["mfu"], r["peak_gib"]
+        print(f"{r['system']:<18} {tps:>10,.0f} {mfu:>6.3f} {peak:>9.1f} {ratio:>8}")
+    write_results(a.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

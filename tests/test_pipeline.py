@@ -1,0 +1,247 @@
+"""Pipeline parallelism: schedule tables, stage layout and balance, and every schedule's loss
+and grads against the model without a pipeline (float32, 8 emulated devices)."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from angel_jax import sharding
+from angel_jax.config import ConfigError, load_config
+from angel_jax.data import make_batches
+from angel_jax.mesh import make_mesh
+from angel_jax.models.llama import LlamaConfig
+from angel_jax.parallel.pipeline import (
+    IDLE,
+    StageLayout,
+    make_schedule,
+    theoretical_bubble,
+)
+from angel_jax.parallel.stage_plan import balance_layers, make_pipeline_plan
+from angel_jax.train import build
+from tests.test_train_parity import small_config
+
+LAYERS = 6  # Uneven over 4 stages, and over 2 x 2 virtual ones.
+
+
+@pytest.mark.parametrize(
+    "name, stages, microbatches, virtual",
+    [
+        ("gpipe", 2, 4, 1),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 4, 16, 1),
+        ("circular", 2, 4, 2),
+        ("circular", 4, 8, 3),
+    ],
+)
+def test_schedule_runs_every_item_once_in_order_with_the_theoretical_bubble(
+    name, stages, microbatches, virtual
+):
+    p, m, v = stages, microbatches, virtual
+    sched = make_schedule(name, p, m, v)
+    f_tick, b_tick = {}, {}
+    for table, ticks in ((sched.forward, f_tick), (sched.backward, b_tick)):
+        for t, s in zip(*np.nonzero(table[..., 0] != IDLE), strict=True):
+            mb, chunk, _ = table[t, s]
+            key = (mb, chunk * p + s)  # (microbatch, global chunk)
+            assert key not in ticks
+            ticks[key] = t
+    chunks = p * v
+    assert set(f_tick) == set(b_tick) == {(j, k) for j in range(m) for k in range(chunks)}
+    for j in range(m):
+        for k in range(1, chunks):  # An activation is used the tick after it was sent.
+            assert f_tick[j, k] == f_tick[j, k - 1] + 1
+            assert b_tick[j, k - 1] == b_tick[j, k] + 1
+        assert b_tick[j, chunks - 1] >= f_tick[j, chunks - 1]  # F before B within a tick.
+    # Whatever F and B cost, the idle share is the theory's.
+    for backward_cost in (1.0, 2.0, 3.0):
+        assert sched.bubble(1.0, backward_cost) == pytest.approx(theoretical_bubble(p, m, v))
+    # The live inputs: GPipe keeps every microbatch's; 1F1B at most 2(p - s) - 1 on stage s.
+    live = sched.live().max(axis=0)
+    if name == "1f1b":
+        assert list(live) == [min(2 * (p - s) - 1, m) for s in range(p)]
+    else:
+        assert list(live) == [v * m] * p
+    assert sched.slots == live.max()
+
+
+def test_stage_layout_round_trips_uneven_chunks():
+    layout = StageLayout(stages=2, virtual=2, layers_per_chunk=(3, 2, 1, 1))
+    x = np.arange(7 * 5, dtype=np.float32).reshape(7, 5) + 1
+    stored = np.asarray(layout.to_stages(x))
+    assert stored.shape == (2 * 2 * 3, 5)
+    # Stage 0 holds chunks 0 and 2, stage 1 chunks 1 and 3; padding slots are zero.
+    assert [int(r[0] // 5) if r[0] else -1 for r in stored] == [
+        *(0, 1, 2),
+        *(5, -1, -1),
+        *(3, 4, -1),
+        *(6, -1, -1),
+    ]
+    np.testing.assert_array_equal(layout.from_stages(stored), x)
+    assert layout.mask().sum(axis=1).tolist() == [3, 1, 2, 1]
+
+
+def test_balance_minimises_the_cost():
+    costliest = lambda first, last: lambda c: max(c[0] + first, *c[1:-1], c[-1] + last)
+    assert balance_layers(22, 2, costliest(0, 0)) == (11, 11)
+    assert balance_layers(22, 2, costliest(0, 3)) == (12, 10)  # 12 vs 13: the smaller chunk.
+    assert balance_layers(10, 4, costliest(1, 2)) == (2, 3, 3, 2)
+
+
+def llama_1b_plan(balance, stages):
+    config = load_config(
+        str(pathlib.Path(__file__).parents[1] / "configs/llama_1b.py"),
+        [f"--config.pipeline.balance={balance}", "--config.pipeline.microbatches=8"],
+    )
+    cfg = LlamaConfig.from_config(config.model, "cpu")
+    shape = dict(data=1, pipeline=stages, expert=1, context=1, sequence=1, tensor=1)
+    return make_pipeline_plan(config, cfg, shape)
+
+
+def test_llama_1b_balanced_plan_beats_the_even_split():
+    even, auto = llama_1b_plan("even", 4), llama_1b_plan("auto", 4)
+    assert even.layout.layers_per_chunk == (6, 6, 5, 5)
+    # The last stage skips its F (its B runs the head and the loss), so it takes fewer layers
+    # only as far as the head makes up for them.
+    assert auto.layout.layers_per_chunk == (6, 6, 6, 4)
+    assert auto.step_flops() < 0.97 * even.step_flops()
+    lines = auto.table().splitlines()
+    assert lines[1].split()[:3] == ["0", "+embed", "6"]
+    assert lines[4].split()[:3] == ["3", "+head", "4"]
+    assert "bubble 0.273" in lines[5]  # (p - 1) / (m + p - 1) with p = 4, m = 8.
+    # On two stages the even split is already the best; an explicit split is slower.
+    assert llama_1b_plan("auto", 2).layout.layers_per_chunk == (11, 11)
+    assert llama_1b_plan("12,10", 2).step_flops() > llama_1b_plan("even", 2).step_flops()
+
+
+def loss_and_grads(config, devices):
+    """Metrics and grads of one batch, the layers' grads in the model's (layers, ...) order."""
+    exp = build(config, make_mesh(config.mesh, devices))
+    state = exp.init_state()
+    batch = exp.global_batch(make_batches(config)[0])
+    with sharding.use_rules(exp.mesh, exp.rules):
+        metrics, grads = jax.jit(exp.loss_and_grads)(state.params, batch)
+    metrics, grads = jax.device_get((metrics, grads))
+    if exp.pipeline:
+        grads["layers"] = jax.tree.map(exp.pipeline.layout.from_stages, grads["layers"])
+    return exp, metrics, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_and_grads(small_config(mesh__data=1, model__num_layers=LAYERS), jax.devices()[:1])
+
+
+CASES = {
+    "p2_gpipe": dict(mesh__pipeline=2, mesh__data=4, pipeline__schedule="gpipe"),
+    "p2_1f1b_data2_tensor2_zero3": dict(
+        zero_stage=3, mesh__pipeline=2, mesh__data=2, mesh__tensor=2, pipeline__schedule="1f1b"
+    ),
+    "p2x2_circular_data2_tensor2": dict(
+        mesh__pipeline=2,
+        mesh__data=2,
+        mesh__tensor=2,
+        pipeline__schedule="circular",
+        pipeline__virtual_stages=2,
+    ),
+    "p4_1f1b_uneven_data2": dict(
+        mesh__pipeline=4, mesh__data=2, pipeline__schedule="1f1b", pipeline__microbatches=8
+    ),
+    "p4_gpipe_uneven_tensor2": dict(
+        mesh__pipeline=4, mesh__data=1, mesh__tensor=2, pipeline__schedule="gpipe"
+    ),
+    "p2_1f1b_sequence2_data2": dict(
+        mesh__pipeline=2, mesh__data=2, mesh__sequence=2, pipeline__schedule="1f1b"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_equals_the_model_without_one(case, reference):
+    _, ref_metrics, ref_grads = reference
+    config = small_config(model__num_layers=LAYERS, pipeline__balance="even", **CASES[case])
+    exp, metrics, grads = loss_and_grads(config, jax.devices())
+    counts = exp.pipeline.layout.layers_per_chunk
+    assert len(counts) == config.mesh.pipeline * config.pipeline.virtual_stages
+    if len(counts) == 4:
+        assert max(counts) > min(counts)  # Padded slots are skipped.
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["z_loss"], ref_metrics["z_loss"], rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), grads, ref_grads
+    )
+
+
+def train(config, devices, steps=2):
+    """(experiment, losses, final params) of `steps` train steps."""
+    exp = build(config, make_mesh(config.mesh, devices))
+    state, batches = exp.init_state(), make_batches(config)
+    losses = []
+    for i in range(steps):
+        state, metrics = exp.train_step(state, exp.global_batch(batches[i]))
+        losses.append(float(metrics["loss"]))
+    return exp, losses, jax.device_get(state.params)
+
+
+def test_pipelined_training_steps_equal_the_model_without_one():
+    """Two optimizer steps through the trainer: the padded slots stay zero, the rest trains
+    as without a pipeline."""
+    _, ref_losses, ref_params = train(
+        small_config(mesh__data=1, model__num_layers=5), jax.devices()[:1]
+    )
+    config = small_config(
+        model__num_layers=5, mesh__pipeline=2, mesh__data=4, pipeline__schedule="1f1b"
+    )
+    exp, losses, params = train(config, jax.devices())
+    padding = exp.pipeline.layout.slot_layer < 0
+    assert padding.any()  # Five layers on two stages.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for stored in jax.tree.leaves(params["layers"]):
+        assert not stored[padding].any()
+    params["layers"] = jax.tree.map(exp.pipeline.layout.from_stages, params["layers"])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params, ref_params
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (dict(model__num_layers=3, mesh__pipeline=4), ["num_layers=3", "4 chunks"]),
+        (
+            dict(mesh__pipeline=2, pipeline__microbatches=3),
+            ["batch_size=16", "pipeline.microbatches=3"],
+        ),
+        (
+            dict(mesh__pipeline=2, mesh__data=4, pipeline__microbatches=8),
+            ["batch_size / config.pipeline.microbatches=2", "config.mesh.data=4"],
+        ),
+        (
+            dict(mesh__pipeline=2, pipeline__virtual_stages=2, pipeline__schedule="1f1b"),
+            ["virtual_stages=2", "schedule=circular"],
+        ),
+        (
+            dict(
+                model__num_layers=8,
+                mesh__pipeline=4,
+                pipeline__schedule="circular",
+                pipeline__virtual_stages=2,
+                pipeline__microbatches=2,
+            ),
+            ["microbatches=2", "mesh.pipeline=4", "groups of p"],
+        ),
+        (dict(mesh__pipeline=2, train__microbatches=2), ["train.microbatches=2", "set"]),
+        (dict(mesh__pipeline=2, mesh__context=2), ["config.mesh.context=2", "ring attention"]),
+        (dict(mesh__pipeline=2, pipeline__schedule="zb"), ["schedule='zb'", "1f1b"]),
+        (dict(mesh__pipeline=2, pipeline__balance="3,2"), ["balance='3,2'", "num_layers=4"]),
+    ],
+)
+def test_bad_pipeline_settings_name_the_setting(overrides, names):
+    config = small_config(**{"model__num_layers": 4, "mesh__data": -1, **overrides})
+    with pytest.raises(ConfigError) as e:
+        build(config, make_mesh(config.mesh))
+    for name in names:
+        assert name in str(e.value)
