@@ -50,7 +50,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
-    # none | full | dots | dots_no_batch | offload_dots (models/llama.py REMAT_POLICIES).
+    # none | full | dots | dots_no_batch | dots_attention | offload_dots (models/llama.py
+    # REMAT_POLICIES).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
     # Ring attention's (context axis) block math: xla (einsum) | pallas (kernels_pallas flash
@@ -306,7 +307,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if t.optimizer not in ("adamw", "adafactor"):
         raise ConfigError(f"config.train.optimizer={t.optimizer!r}: use adamw or adafactor")
-    remats = ("none", "full", "dots", "dots_no_batch", "offload_dots")
+    remats = ("none", "full", "dots", "dots_no_batch", "dots_attention", "offload_dots")
     if m.remat not in remats:
         raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")
     if m.attention not in ("auto", "cudnn", "xla"):

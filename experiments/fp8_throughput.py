@@ -1,7 +1,8 @@
 """FP8 speed: FP8 matmuls against bf16 on the visible GPUs, and with two or more GPUs the FP8
 ZeRO-3 collectives against XLA's bf16 ones, side by side in one job.
 
-    python experiments/fp8_throughput.py [--config configs/llama_1b.py] [--out FILE]
+    python experiments/fp8_throughput.py [--config configs/llama_1b.py] [--out FILE] \
+        [-- --config.model.num_layers=8 ...]
 
 Every variant is its own process (throughput.py's worker) on the same shape and random tokens;
 the table gives tokens/s, MFU, peak memory and each variant's ratio to the first (bf16) one.
@@ -20,18 +21,24 @@ def main() -> int:
     p.add_argument("--devices", type=int, default=1, help="data axis size (ZeRO-3 when > 1)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "experiments/results/fp8_throughput.json"))
+    p.add_argument("--only", default="", help="comma-separated variant names to run")
+    p.add_argument("overrides", nargs="*", help="config overrides for every variant, after --")
     a = p.parse_args()
     base = [f"--config.mesh.data={a.devices}"]
     if a.devices > 1:
         base.append("--config.zero_stage=3")
+    base += a.overrides  # Last, so that they win.
     variants = [("bf16", []), ("fp8 matmul", ["--config.fp8.matmul=true"])]
     if a.devices > 1:
         variants += [
             ("fp8 collectives", ["--config.fp8.collectives=true"]),
             ("fp8 both", ["--config.fp8.matmul=true", "--config.fp8.collectives=true"]),
         ]
+    only = set(filter(None, a.only.split(",")))
     results = []
     for name, overrides in variants:
+        if only and name not in only:
+            continue
         timing = run_ours(a.config, [*base, *overrides], a.steps, warmup=3)
         results.append({**timing, "system": name, "overrides": [*base, *overrides]})
         print(json.dumps(results[-1]), flush=True)

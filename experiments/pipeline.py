@@ -104,13 +104,15 @@ def predictions(results: list[dict]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--only", default="", help="comma-separated groups: throughput,bubble,balance")
+    p.add_argument(
+        "--only", default="", help="comma-separated groups (throughput,bubble,balance) or runs"
+    )
     p.add_argument("--out", default=str(ROOT / "experiments/results/pipeline.json"))
     a = p.parse_args()
     only = set(filter(None, a.only.split(",")))
     results = []
     for group, name, overrides in runs():
-        if only and group not in only:
+        if only and group not in only and name not in only:
             continue
         timing = run_ours(CONFIG, overrides, a.steps, warmup=2)
         results.append({**timing, "system": name, "group": group, "overrides": overrides})

@@ -2,8 +2,9 @@
 
     python experiments/plot_throughput.py [RESULTS.json ...] [--out experiments/results/x.png]
 
-Reads the JSON that experiments/throughput.py and offload_throughput.py write (needs
-matplotlib, from requirements-dev.txt). Each file is one shape; its title names the file.
+Reads the JSON that experiments/throughput.py, fp8_throughput.py, pipeline.py and
+offload_throughput.py write (needs matplotlib, from requirements-dev.txt). Each file is one
+shape; its title names the file. The peer baselines are grey, angel-jax runs blue.
 """
 
 import argparse
@@ -34,7 +35,7 @@ def main() -> int:
         record = json.loads(pathlib.Path(path).read_text())
         rows = [r for r in record["results"] if "tokens_per_s" in r]
         names = [r["system"] for r in rows]
-        colors = ["tab:blue" if "angel" in n or "llama" in n else "tab:gray" for n in names]
+        colors = ["tab:gray" if n.startswith(("plain-jax", "hf-")) else "tab:blue" for n in names]
         speed.barh(names, [r["tokens_per_s"] for r in rows], color=colors)
         mfu.barh(names, [r["mfu"] for r in rows], color=colors)
         speed.set_xlabel("tokens/s")

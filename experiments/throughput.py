@@ -20,14 +20,23 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# (name, config overrides) for our runs; the first is the default llama_1b config.
+# (name, config overrides, extra XLA flags) for our runs; the first is the default config.
 VARIANTS = [
-    ("angel-jax", []),
-    ("angel-jax remat=none", ["--config.model.remat=none"]),
-    (
-        "angel-jax batch16 remat=dots_no_batch",
-        ["--config.train.batch_size=16", "--config.model.remat=dots_no_batch"],
-    ),
+    ("angel-jax", [], ""),
+    ("angel-jax remat=dots_no_batch", ["--config.model.remat=dots_no_batch"], ""),
+    ("angel-jax unrolled layers", ["--config.model.scan_layers=false"], ""),
+    ("angel-jax batch32", ["--config.train.batch_size=32"], ""),
+]
+# Settings tried against the default (`--sweep`): what each buys goes into the GPU configs.
+SWEEP = [
+    ("angel-jax", [], ""),
+    ("unrolled layers", ["--config.model.scan_layers=false"], ""),
+    ("triton gemm off", [], "--xla_gpu_enable_triton_gemm=false"),
+    ("remat=dots", ["--config.model.remat=dots"], ""),
+    ("remat=dots_no_batch", ["--config.model.remat=dots_no_batch"], ""),
+    ("logits_chunks=4", ["--config.model.logits_chunks=4"], ""),
+    ("command buffers off", [], "--xla_gpu_enable_command_buffer="),
+    ("batch32", ["--config.train.batch_size=32"], ""),
 ]
 BASELINES = [
     ("plain-jax", ["plain_jax_llama.py"]),
@@ -115,23 +124,29 @@ def offload_breakdown(exp, state, batch) -> dict:
     )
 
 
-def run_ours(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    """Times our trainer on `config` with `overrides` in a fresh process (see `child`)."""
+def run_ours(config: str, overrides: list[str], steps: int, warmup: int, xla_flags="") -> dict:
+    """Times our trainer on `config` with `overrides` (and `xla_flags` added to XLA_FLAGS) in a
+    fresh process (see `child`)."""
     cmd = [sys.executable, str(ROOT / "experiments/throughput.py"), "--config", config]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--child", *overrides]
-    return run(cmd, ROOT)
+    env = None
+    if xla_flags:
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()}
+    return run(cmd, ROOT, env=env)
 
 
-def run(cmd: list[str], cwd, log: str | None = None) -> dict:
+def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) -> dict:
     """The last JSON line `cmd` prints, or its exit code and last lines; `log` keeps all of its
     stderr."""
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if log:
         pathlib.Path(log).write_text(proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return dict(error=[f"exit code {proc.returncode}", *tail])
+        output = (proc.stderr or proc.stdout).strip().splitlines()
+        # The error's own lines (a traceback's last lines may be XLA's op locations only).
+        errors = [line for line in output if "Error" in line or "error:" in line][-3:]
+        return dict(error=[f"exit code {proc.returncode}", *errors, *output[-5:]])
     return json.loads(lines[-1])
 
 
@@ -160,9 +175,11 @@ def write_results(path: str, results: list[dict]) -> None:
 
 def print_table(results: list[dict]) -> None:
     """tokens/s, MFU and peak memory per system, and its tokens/s over each baseline's (the
-    baselines' default-shape runs: plain-jax, hf-eager, hf-compile)."""
+    baselines' default-shape runs: plain-jax, hf-eager, hf-compile; with none, the first run)."""
     names = ("plain-jax", "hf-eager", "hf-compile")
     bases = {r["system"]: r for r in results if r["system"] in names and "tokens_per_s" in r}
+    if not bases and results and "tokens_per_s" in results[0]:  # A sweep: against the first.
+        bases = {results[0]["system"]: results[0]}
     header = ("system", "batch", "tokens/s", "MFU", "peak GiB", *(f"vs {n}" for n in bases))
     print("\n{:<40} {:>5} {:>10} {:>7} {:>9}".format(*header[:5]), *header[5:], sep="  ")
     for r in results:
@@ -185,6 +202,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated variant names to run")
+    p.add_argument("--sweep", action="store_true", help="run the SWEEP settings, no baselines")
     p.add_argument("--out", default=str(ROOT / "experiments/results/throughput_llama_1b.json"))
     p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -194,13 +212,14 @@ def main() -> int:
 
     results = []
     only = set(filter(None, args.only.split(",")))
-    for name, overrides in VARIANTS:
+    for name, overrides, xla_flags in SWEEP if args.sweep else VARIANTS:
         if only and name not in only:
             continue
-        timing = run_ours(args.config, overrides, args.steps, args.warmup)
-        results.append({**timing, "system": name, "overrides": overrides})
+        timing = run_ours(args.config, overrides, args.steps, args.warmup, xla_flags)
+        results.append({**timing, "system": name, "overrides": overrides, "xla_flags": xla_flags})
         print(json.dumps(results[-1]), flush=True)
-    if args.baselines:
+        write_results(args.out, results)  # So far: a run cut short keeps what it measured.
+    if args.baselines and not args.sweep:
         for name, cmd in BASELINES:
             if only and name not in only:
                 continue

@@ -80,3 +80,15 @@ def test_cudnn_attention_off_gpu_is_a_config_error():
     c.model.attention = "cudnn"
     with pytest.raises(ConfigError, match="attention=cudnn needs a GPU"):
         LlamaConfig.from_config(c.model, "cpu")
+
+
+def test_dots_attention_policy_saves_the_cudnn_forward_primitives():
+    """The policy matches cuDNN attention's forward by primitive name: pinned to JAX's names."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    from angel_jax.models.llama import flash_attention_saveable
+
+    assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p)
+    assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p_wrapper)
+    assert not flash_attention_saveable(cudnn._dot_product_attention_bwd_p)
+    assert not flash_attention_saveable(jax.lax.exp_p)

@@ -151,6 +151,7 @@ _SAVED_PER_LAYER = {
     "none": (34, 0),
     "dots": (14, 0),
     "dots_no_batch": (10, 0),
+    "dots_attention": (11, 0),  # And attention's output (its statistics are small).
     "full": (2, 0),
     "offload_dots": (2, 10),
 }

@@ -32,6 +32,7 @@ alternation, which keeps p - s; the bubble is the same). Bubble: (p-1)/(v m + p-
 Letters: M microbatches, B rows per microbatch, T length, D model dim.
 """
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -42,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from angel_jax import sharding
 from angel_jax.config import ConfigError
 from angel_jax.sharding import shard_map_mesh
 
@@ -209,8 +211,16 @@ def pipeline_grads(
     zeros = lambda tree, dtype=None: jax.tree.map(
         lambda x: jnp.zeros(x.shape, dtype or x.dtype), tree
     )
-    pin = lambda x, spec=hidden_spec: jax.lax.with_sharding_constraint(
-        x, jax.sharding.NamedSharding(shard_map_mesh(mesh), spec)
+    # Manual over the pipeline axis only, unless it is the mesh's one split axis: then manual
+    # over all (cuDNN attention's custom partitioner fails in a partly manual region), with
+    # nothing left to lay out inside.
+    fully_manual = {a for a in mesh.axis_names if mesh.shape[a] > 1} <= {"pipeline"}
+    pin = lambda x, spec=hidden_spec: (
+        x
+        if fully_manual
+        else jax.lax.with_sharding_constraint(
+            x, jax.sharding.NamedSharding(shard_map_mesh(mesh), spec)
+        )
     )
     # Inside the stage region: the layer grads as (chunk, slot, ...), `pipeline` left out.
     layer_grad_specs = jax.tree.map(
@@ -321,15 +331,16 @@ def pipeline_grads(
         mesh=mesh,
         in_specs=(layer_specs, on_stages, P(), P(), P(), table_spec, table_spec),
         out_specs=(P(), layer_specs, P()),
-        axis_names={"pipeline"},
+        axis_names=set(mesh.axis_names) if fully_manual else {"pipeline"},
         check_vma=False,
     )
-    return run(
-        layers,
-        jnp.asarray(layout.mask()),
-        shared,
-        tokens_MBT,
-        targets_MBT,
-        jnp.asarray(schedule.forward),
-        jnp.asarray(schedule.backward),
-    )
+    with sharding.no_rules() if fully_manual else contextlib.nullcontext():
+        return run(
+            layers,
+            jnp.asarray(layout.mask()),
+            shared,
+            tokens_MBT,
+            targets_MBT,
+            jnp.asarray(schedule.forward),
+            jnp.asarray(schedule.backward),
+        )

@@ -1,0 +1,188 @@
+"""Where one train step's GPU time goes: a profiler trace of a few steps, summed per kind of
+kernel, with the top HLO ops and the JAX code each comes from.
+
+    python experiments/profile_step.py [--config configs/llama_1b.py] [--steps 3] \
+        [--out experiments/results/profile_llama_1b.json] [-- --config.train.batch_size=16 ...]
+
+Writes the table, a JSON summary (`--out`), and beside it the optimized HLO (`.hlo.txt.gz`) and the
+Perfetto trace (`.trace.json.gz`, open it in ui.perfetto.dev).
+"""
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+from throughput import ROOT, write_results
+
+# Kernel kinds, by the first pattern a kernel's name matches (lower-cased).
+KINDS = [
+    ("attention (cuDNN)", ("cudnn", "fmha", "flash", "sdpa")),
+    ("matmul", ("gemm", "cublas", "xmma", "nvjet", "cutlass", "matmul", "dot")),
+    ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("triton fusion", ("triton",)),
+    ("reduction", ("reduce", "scatter")),
+    ("elementwise fusion", ("fusion", "loop", "input")),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, patterns in KINDS:
+        if any(p in low for p in patterns):
+            return kind
+    return "other"
+
+
+def device_events(trace: dict) -> dict[str, list[dict]]:
+    """Complete events of each GPU stream, keyed by "process/thread" name."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    streams = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "GPU" not in procs.get(e["pid"], ""):
+            continue
+        thread = threads.get((e["pid"], e.get("tid")), "")
+        streams[f"{procs[e['pid']]}/{thread}"].append(e)
+    return streams
+
+
+def busy_us(events: list[dict]) -> float:
+    """Length of the union of the events' intervals (overlapping kernels count once)."""
+    total, end = 0.0, -1.0
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the JAX op path in its metadata (where the op came from)."""
+    sources = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]+)\"", hlo_text, re.M):
+        sources.setdefault(m.group(1), m.group(2))
+    return sources
+
+
+def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
+    """Per-step milliseconds per kernel kind, stream busy time, and the top kernels."""
+    streams = device_events(trace)
+    if not streams:
+        raise SystemExit("the trace has no GPU events: is this a GPU run?")
+    # The kernel line: the stream with the most events that are not XLA op/module markers.
+    kernel_streams = {k: v for k, v in streams.items() if "XLA" not in k.split("/")[-1]}
+    events = [e for v in kernel_streams.values() for e in v]
+    span_us = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for e in events:
+        label = e["name"]
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("name") or label
+        kind = kind_of(label + " " + op)
+        by_kind[kind] += e["dur"]
+        by_name[(kind, op, label[:80])] += e["dur"]
+    sources = hlo_sources(hlo_text)
+    busy = busy_us(events)
+    return dict(
+        steps=steps,
+        span_ms_per_step=span_us / 1e3 / steps,
+        busy_ms_per_step=busy / 1e3 / steps,
+        idle_fraction=1 - busy / span_us,
+        streams={k: len(v) for k, v in streams.items()},
+        ms_per_step_by_kind={k: v / 1e3 / steps for k, v in by_kind.most_common()},
+        top=[
+            dict(
+                kind=kind,
+                hlo_op=op,
+                kernel=label,
+                ms_per_step=us / 1e3 / steps,
+                source=sources.get(op, ""),
+            )
+            for (kind, op, label), us in by_name.most_common(top)
+        ],
+    )
+
+
+def print_summary(s: dict) -> None:
+    print(
+        f"\nper step: span {s['span_ms_per_step']:.1f} ms, GPU busy {s['busy_ms_per_step']:.1f} ms"
+        f" (idle {s['idle_fraction']:.1%})"
+    )
+    total = sum(s["ms_per_step_by_kind"].values())
+    print(f"{'kind':<22} {'ms/step':>8} {'share':>6}")
+    for kind, ms in s["ms_per_step_by_kind"].items():
+        print(f"{kind:<22} {ms:>8.2f} {ms / total:>6.1%}")
+    print(f"\n{'kind':<20} {'ms/step':>8}  hlo op / kernel / source")
+    for t in s["top"]:
+        print(f"{t['kind']:<20} {t['ms_per_step']:>8.3f}  {t['hlo_op']}  {t['kernel'][:50]}")
+        if t["source"]:
+            print(f"{'':<30}{t['source'][-110:]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
+    p.add_argument("--steps", type=int, default=3, help="traced steps (after 3 warm-up steps)")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", default=str(ROOT / "experiments/results/profile_llama_1b.json"))
+    p.add_argument("overrides", nargs="*", help="config overrides, after --")
+    a = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import jax
+
+    from angel_jax.config import load_config
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    config = load_config(a.config, ["--config.data.synthetic=true", *a.overrides])
+    exp = build(config, make_mesh(config.mesh))
+    train_step = exp.train_step
+    hlo_text = train_step.as_text()
+    state = exp.init_state()
+    batches = make_batches(config).iterate(0)
+    for _ in range(3):
+        state, metrics = train_step(state, exp.global_batch(next(batches)))
+    jax.block_until_ready(state)
+    trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="angel_profile_"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(a.steps):
+            state, metrics = train_step(state, exp.global_batch(next(batches)))
+        jax.block_until_ready((state, metrics))
+        step_s = (time.perf_counter() - start) / a.steps
+    trace_file = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    with gzip.open(trace_file) as f:
+        summary = summarize(json.load(f), a.steps, hlo_text, a.top)
+    t, m = config.train, exp.model_config
+    tokens_per_s = t.batch_size * t.seq_len / step_s
+    summary.update(
+        overrides=a.overrides,
+        step_s=step_s,
+        tokens_per_s=tokens_per_s,
+        mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
+    )
+    mfu = summary["mfu"]
+    print(f"step {step_s * 1e3:.1f} ms (traced), {tokens_per_s:,.0f} tok/s, MFU {mfu:.3f}")
+    print_summary(summary)
+    out = pathlib.Path(a.out)
+    write_results(str(out), [summary])
+    with gzip.open(out.with_suffix(".hlo.txt.gz"), "wt") as f:
+        f.write(hlo_text)
+    shutil.copy(trace_file, out.with_suffix(".trace.json.gz"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
