@@ -245,3 +245,16 @@ def test_bad_pipeline_settings_name_the_setting(overrides, names):
         build(config, make_mesh(config.mesh))
     for name in names:
         assert name in str(e.value)
+
+
+def test_cudnn_attention_with_other_split_axes_is_refused():
+    """cuDNN attention works in the stages only when the shard_map is manual over every axis,
+    i.e. when `pipeline` is the only split one."""
+    import dataclasses
+
+    config = small_config(model__num_layers=4, mesh__pipeline=2, mesh__data=2)
+    cfg = dataclasses.replace(LlamaConfig.from_config(config.model, "cpu"), attention="cudnn")
+    shape = dict(data=2, pipeline=2, expert=1, context=1, sequence=1, tensor=1)
+    with pytest.raises(ConfigError, match="config.model.attention=cudnn.*set config.model"):
+        make_pipeline_plan(config, cfg, shape)
+    make_pipeline_plan(config, cfg, {**shape, "data": 1})  # Pipeline alone: accepted.

@@ -193,6 +193,14 @@ def make_pipeline_plan(
             "ring attention inside pipeline stages is not supported yet",
         ),
     }
+    if cfg.attention == "cudnn" and any(n > 1 for a, n in mesh_shape.items() if a != "pipeline"):
+        # The stages' shard_map is then manual over `pipeline` only (pipeline.py).
+        unsupported["config.model.attention"] = (
+            "cudnn",
+            "xla",
+            "cuDNN attention's custom partitioner fails inside a shard_map manual over some "
+            "mesh axes only (here pipeline, with other split axes)",
+        )
     for name, (value, needed, why) in unsupported.items():
         if value != needed:
             raise ConfigError(
