@@ -2,8 +2,10 @@
 
     python -m angel_jax.launch --config configs/llama3_8b.py --workdir /tmp/angel-8b
 
-Sized for two or more H200s with ZeRO-3 and 4 microbatches (the planner puts 2 H200s at about
-103 of 141 GiB each; not yet run there). One H200 trains it with the fp32 masters and AdamW state
+Sized for two or more H200s with ZeRO-3 and 4 microbatches. On two H200s add
+--config.model.remat=full: 15.8k tokens/s, MFU 0.411, 84.8 GiB per GPU (experiments/results/
+throughput_llama3_8b_2gpu_zero3.json); with dots_no_batch the compiled step needs 133.7 GiB a
+GPU and is refused before allocation. One H200 trains it with the fp32 masters and AdamW state
 (96 GB) in host memory, as measured in experiments/results/offload_throughput.json:
 --config.offload.policy=optimizer --config.zero_stage=1 --config.train.microbatches=8.
 """
