@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from throughput import ROOT, run_ours, write_results
+from throughput import ROOT, print_table, run_ours, write_results
 
 
 def main() -> int:
@@ -42,15 +42,7 @@ def main() -> int:
         timing = run_ours(a.config, [*base, *overrides], a.steps, warmup=3)
         results.append({**timing, "system": name, "overrides": [*base, *overrides]})
         print(json.dumps(results[-1]), flush=True)
-    first = results[0].get("tokens_per_s")
-    print(f"\n{'variant':<18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs bf16':>8}")
-    for r in results:
-        if "tokens_per_s" not in r:
-            print(f"{r['system']:<18} failed: {r.get('error')}")
-            continue
-        ratio = f"{r['tokens_per_s'] / first:.3f}" if first else "-"
-        tps, mfu, peak = r["tokens_per_s"], r["mfu"], r["peak_gib"]
-        print(f"{r['system']:<18} {tps:>10,.0f} {mfu:>6.3f} {peak:>9.1f} {ratio:>8}")
+    print_table(results)
     write_results(a.out, results)
     return 0
 
