@@ -124,14 +124,15 @@ def offload_breakdown(exp, state, batch) -> dict:
     )
 
 
-def run_ours(config: str, overrides: list[str], steps: int, warmup: int, xla_flags="") -> dict:
-    """Times our trainer on `config` with `overrides` (and `xla_flags` added to XLA_FLAGS) in a
-    fresh process (see `child`)."""
+def run_ours(
+    config: str, overrides: list[str], steps: int, warmup: int, xla_flags="", env=None
+) -> dict:
+    """Times our trainer on `config` with `overrides` in a fresh process (see `child`), with
+    `xla_flags` added to XLA_FLAGS and `env` to the environment."""
     cmd = [sys.executable, str(ROOT / "experiments/throughput.py"), "--config", config]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--child", *overrides]
-    env = None
-    if xla_flags:
-        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()}
+    env = {**os.environ, **(env or {})}
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     return run(cmd, ROOT, env=env)
 
 

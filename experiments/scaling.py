@@ -1,0 +1,147 @@
+"""Scaling over the GPUs of one host: weak scaling of `llama_1b` (the same batch per GPU) from
+one GPU up, then the named runs at the largest count, each in its own process.
+
+    python experiments/scaling.py [--gpus 1,2,4,8] [--only weak,...] [--out FILE]
+    python experiments/scaling.py --cpu --gpus 1,2,4 --config configs/tiny.py  # emulated
+
+Weak scaling efficiency at n GPUs is tokens/s(n) / (n x tokens/s(1)). At the largest count
+(`n`): `llama3_8b` with ZeRO-3 over all, tensor=2 x data, pipeline=2 x data; the MoE with
+expert=n; FP8 against bf16 ZeRO-3 collectives on `llama_1b`. Writes the JSON and a plot of the
+efficiency (`.png` beside it). `--cpu` runs on emulated CPU devices, to try the script.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+from throughput import ROOT, print_table, run_ours, write_results
+
+CONFIGS = ROOT / "configs"
+
+
+def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
+    """(name, config, overrides) of the runs at n GPUs besides weak scaling."""
+    big = str(CONFIGS / "llama3_8b.py")
+    full = "--config.model.remat=full"  # What fits the 8B shape's activations (2 H200s).
+    return [
+        (f"llama3_8b zero3 data={n}", big, [f"--config.mesh.data={n}", full]),
+        (
+            f"llama3_8b tensor=2 data={n // 2}",
+            big,
+            ["--config.mesh.tensor=2", f"--config.mesh.data={n // 2}", full],
+        ),
+        (
+            f"llama3_8b pipeline=2 data={n // 2}",
+            big,
+            [
+                "--config.mesh.pipeline=2",
+                f"--config.mesh.data={n // 2}",
+                "--config.train.microbatches=1",
+                "--config.pipeline.microbatches=8",
+                "--config.train.batch_size=16",
+                "--config.model.attention=xla",  # cuDNN's partitioner: see stage_plan.py.
+                "--config.zero_stage=1",
+            ],
+        ),
+        (
+            f"moe expert={n}",
+            str(CONFIGS / "moe_1b.py"),
+            [
+                f"--config.mesh.expert={n}",
+                "--config.mesh.data=1",
+                f"--config.train.batch_size={8 * n}",
+            ],
+        ),
+        (
+            f"bf16 zero3 data={n}",
+            config,
+            [
+                f"--config.mesh.data={n}",
+                "--config.zero_stage=3",
+                f"--config.train.batch_size={8 * n}",
+            ],
+        ),
+        (
+            f"fp8 collectives data={n}",
+            config,
+            [
+                f"--config.mesh.data={n}",
+                "--config.zero_stage=3",
+                "--config.fp8.collectives=true",
+                f"--config.train.batch_size={8 * n}",
+            ],
+        ),
+    ]
+
+
+def devices_env(n: int, cpu: bool) -> tuple[str, dict]:
+    """(XLA flags, environment) that make a child see n devices."""
+    if cpu:
+        return f"--xla_force_host_platform_device_count={n}", {"JAX_PLATFORMS": "cpu"}
+    return "", {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(n)))}
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    weak = [r for r in results if r.get("group") == "weak" and "efficiency" in r]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([r["gpus"] for r in weak], [r["efficiency"] for r in weak], "o-", label="llama_1b")
+    ax.axhline(0.97, color="tab:gray", ls="--", label="goal 0.97")
+    ax.set_xlabel("GPUs (same batch per GPU)")
+    ax.set_ylabel("weak scaling efficiency")
+    ax.set_ylim(0.5, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=str(CONFIGS / "llama_1b.py"))
+    p.add_argument("--gpus", default="1,2,4,8")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--only", default="", help="comma-separated: weak, or names of runs")
+    p.add_argument("--cpu", action="store_true", help="emulated CPU devices")
+    p.add_argument("--out", default=str(ROOT / "experiments/results/scaling.json"))
+    a = p.parse_args()
+    counts = [int(x) for x in a.gpus.split(",")]
+    only = set(filter(None, a.only.split(",")))
+    results = []
+
+    def record(result: dict) -> None:
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        write_results(a.out, results)  # So far: a run cut short keeps what it measured.
+
+    if not only or "weak" in only:
+        for n in counts:
+            flags, env = devices_env(n, a.cpu)
+            overrides = [f"--config.mesh.data={n}", f"--config.train.batch_size={8 * n}"]
+            r = run_ours(a.config, overrides, a.steps, 2, flags, env)
+            one = next((x for x in results if x.get("gpus") == 1 and "tokens_per_s" in x), None)
+            if one and "tokens_per_s" in r:
+                r["efficiency"] = r["tokens_per_s"] / (n * one["tokens_per_s"])
+            record({**r, "system": f"weak data={n}", "group": "weak", "gpus": n})
+    n = max(counts)
+    flags, env = devices_env(n, a.cpu)
+    for name, config, overrides in named_runs(n, a.config):
+        if only and name not in only:
+            continue
+        r = run_ours(config, overrides, a.steps, 2, flags, env)
+        record({**r, "system": name, "group": "named", "gpus": n, "overrides": overrides})
+    print_table(results)
+    for r in results:
+        if "efficiency" in r:
+            print(f"weak scaling at {r['gpus']} GPUs: {r['efficiency']:.3f}")
+    plot(results, pathlib.Path(a.out).with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
