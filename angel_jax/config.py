@@ -20,6 +20,10 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.zero_stage = 1  # 0: replicated; 1: +optimizer state sharded; 2: +grads; 3: +params (FSDP).
+    # A local Hugging Face checkpoint directory (Llama or Mixtral: config.json + safetensors) to
+    # start from instead of a random init; it sets config.model's architecture. A checkpoint of
+    # our own in the workdir still wins (resume). "": random init (angel_jax/interop).
+    c.init_from_hf = ""
 
     # Mesh axis sizes; one may be -1 for "all remaining devices".
     c.mesh = ml_collections.ConfigDict(
@@ -39,7 +43,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline.remat = "auto"
 
     c.model = ml_collections.ConfigDict()
-    c.model.num_layers = 2
+    # llama (also Mixtral with num_experts) | gpt2 | bert | t5 (angel_jax/models/__init__.py).
+    c.model.family = "llama"
+    c.model.num_layers = 2  # T5: the encoder's.
     c.model.d_model = 64
     c.model.num_heads = 4
     c.model.num_kv_heads = 2
@@ -71,6 +77,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.load_balance_loss = 1e-2  # Weight of the load-balancing loss.
     c.model.sequence_parallel = False  # Megatron-style: norm regions sharded over `tensor`.
     c.model.scan_layers = True
+    c.model.max_positions = 1024  # GPT-2, BERT: rows of the learned position table.
+    c.model.decoder_layers = 0  # T5: 0 means num_layers.
+    c.model.relative_buckets = 32  # T5's relative position bias.
+    c.model.relative_max_distance = 128
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
@@ -96,11 +106,22 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.lr_scaling = "none"
     c.train.lr_base_batch = 0  # 0: batch_size, i.e. no change.
     c.train.lr_noise_batch = 0  # surge: the batch (sequences) at which the best lr peaks.
+    # auto (the family's) | causal (llama, gpt2) | masked (bert) | span (t5: span corruption).
+    c.train.objective = "auto"
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ml_collections.FieldReference(None, field_type=str)  # None: default corpus.
     c.data.synthetic = False  # Random tokens, for benchmarks; data.path wins if set.
     c.data.prefetch = 2  # Batches prepared ahead by a background thread.
+    # Segment ids at end-of-document tokens: no attention across the documents packed in a
+    # row, positions restart at each (causal and masked objectives).
+    c.data.packing = False
+    c.data.mask_rate = 0.15  # masked: share of tokens to predict (BERT's 80/10/10 rule).
+    # masked: the mask token; -1: the top id of config.model.vocab_size (reserved for it). An
+    # imported BERT's tokenizer has its own ([MASK], 103 for bert-base-uncased).
+    c.data.mask_id = -1
+    c.data.noise_density = 0.15  # span: share of tokens corrupted,
+    c.data.mean_span_length = 3.0  # in spans this long on average.
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50  # 0 disables checkpoints.
@@ -247,8 +268,18 @@ def head_dim(model: ml_collections.ConfigDict) -> int:
     return model.head_dim or model.d_model // model.num_heads
 
 
+FAMILY_OBJECTIVES = {"llama": "causal", "gpt2": "causal", "bert": "masked", "t5": "span"}
+
+
+def objective(config: ml_collections.ConfigDict) -> str:
+    """The training objective: config.train.objective, or the family's when auto."""
+    chosen = config.train.objective
+    return FAMILY_OBJECTIVES.get(config.model.family, "causal") if chosen == "auto" else chosen
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
+    _validate_family(config)
     if config.fp8.collectives and config.zero_stage != 3:
         raise ConfigError(
             f"config.fp8.collectives carries ZeRO-3's parameter all-gathers, but "
@@ -268,6 +299,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 f"config.train.powersgd_rank={config.train.powersgd_rank} needs "
                 "config.offload.policy=none and config.train.microbatches=1"
             )
+    if config.init_from_hf:
+        _validate_init_from_hf(config)
     if config.offload.chunks_in_flight < 1:
         raise ConfigError(
             f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
@@ -365,6 +398,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_monitor(config)
 
 
+def _validate_init_from_hf(config: ml_collections.ConfigDict) -> None:
+    path = pathlib.Path(config.init_from_hf)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"config.init_from_hf={config.init_from_hf}: no config.json there; pass a local "
+            'Hugging Face checkpoint directory (config.json + *.safetensors), or "" for a '
+            "random init"
+        )
+    if config.mesh.pipeline != 1 or config.offload.policy != "none":
+        raise ConfigError(
+            f"config.init_from_hf loads into the plain layout only for now: it needs "
+            f"config.mesh.pipeline=1 and config.offload.policy=none (here "
+            f"{config.mesh.pipeline}, {config.offload.policy})"
+        )
+
+
 def _validate_monitor(config: ml_collections.ConfigDict) -> None:
     mon, t = config.monitor, config.train
     if mon.on_anomaly not in ("skip", "rollback", "log"):
@@ -405,4 +454,71 @@ def _validate_monitor(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             "config.train.lr_scaling=surge needs config.train.lr_noise_batch, the batch at "
             "which the best learning rate peaks (B_noise, measured at small scale)"
+        )
+
+
+def _validate_family(config: ml_collections.ConfigDict) -> None:
+    m, d, family = config.model, config.data, config.model.family
+    if family not in FAMILY_OBJECTIVES:
+        raise ConfigError(
+            f"config.model.family={family!r}: use one of {', '.join(FAMILY_OBJECTIVES)}"
+        )
+    goal = objective(config)
+    if goal != FAMILY_OBJECTIVES[family]:
+        raise ConfigError(
+            f"config.train.objective={config.train.objective!r} does not fit "
+            f"config.model.family={family}, which trains with {FAMILY_OBJECTIVES[family]!r}; "
+            "set config.train.objective=auto"
+        )
+    if family in ("gpt2", "bert") and config.train.seq_len > m.max_positions:
+        raise ConfigError(
+            f"config.train.seq_len={config.train.seq_len} is longer than the position table, "
+            f"config.model.max_positions={m.max_positions}; raise max_positions or shorten it"
+        )
+    splits_sequence = config.mesh.context != 1 or config.mesh.sequence != 1
+    if splits_sequence and (d.packing or family in ("bert", "t5")):
+        raise ConfigError(
+            f"config.model.family={family} with config.data.packing={d.packing} needs the whole "
+            "sequence per device (masks, bidirectional or cross attention): set "
+            "config.mesh.context=1 and config.mesh.sequence=1"
+        )
+    if d.packing and (config.mesh.pipeline > 1 or m.logits_chunks > 1):
+        raise ConfigError(
+            "config.data.packing: the pipeline schedules and chunked logits read plain token "
+            "windows; set config.mesh.pipeline=1 and config.model.logits_chunks=1, or "
+            "config.data.packing=false"
+        )
+    if d.packing and goal == "span":
+        raise ConfigError(
+            "config.data.packing: span corruption makes one example of each window (its "
+            "padding masked by segment ids); set config.data.packing=false for t5"
+        )
+    if not 0 < d.mask_rate < 1 or not 0 < d.noise_density < 1:
+        raise ConfigError(
+            f"config.data.mask_rate={d.mask_rate}, noise_density={d.noise_density}: both must "
+            "lie strictly between 0 and 1"
+        )
+    if d.mask_id >= m.vocab_size:
+        raise ConfigError(
+            f"config.data.mask_id={d.mask_id} is not below config.model.vocab_size="
+            f"{m.vocab_size}; use the tokenizer's mask id, or -1 for the top id"
+        )
+    if d.mean_span_length < 1:
+        raise ConfigError(f"config.data.mean_span_length={d.mean_span_length}: must be >= 1")
+    if family == "llama":
+        return
+    llama_only = {
+        "config.mesh.pipeline > 1": config.mesh.pipeline > 1,
+        "config.model.num_experts > 0": m.num_experts > 0,
+        "config.model.logits_chunks > 1": m.logits_chunks > 1,
+        "config.fp8.matmul": config.fp8.matmul,
+        "config.fp8.collectives": config.fp8.collectives,
+        "config.offload.policy other than none": config.offload.policy != "none",
+        "config.train.powersgd_rank > 0": config.train.powersgd_rank > 0,
+    }
+    used = [name for name, on in llama_only.items() if on]
+    if used:
+        raise ConfigError(
+            f"config.model.family={family} does not support {', '.join(used)} (Llama only for "
+            "now); turn it off or use config.model.family=llama"
         )

@@ -23,6 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError, validate
+from angel_jax.data.objectives import row_width
+from angel_jax.models import example_inputs, make_model
+from angel_jax.models.classic import ClassicConfig
 from angel_jax.models.llama import (
     Llama,
     LlamaConfig,
@@ -32,6 +35,7 @@ from angel_jax.models.llama import (
     lm_head_kernel,
 )
 from angel_jax.monitor import skip_if_anomalous
+from angel_jax.objectives import objective_loss
 from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import (
@@ -119,8 +123,8 @@ class Experiment:
     config: ml_collections.ConfigDict
     mesh: Mesh
     rules: sharding.Rules
-    model_config: LlamaConfig
-    model: Llama
+    model_config: LlamaConfig | ClassicConfig  # By config.model.family.
+    model: nn.Module
     optimizer: Optimizer
     state_sharding: TrainState  # Of NamedShardings.
     grad_sharding: Any
@@ -139,6 +143,8 @@ class Experiment:
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
         rng = jax.random.key(self.config.seed if seed is None else seed)
+        if self.config.init_from_hf:
+            return self._init_from_hf(rng)
         # No activation rules: the init's forward pass (one row, only for the params' shapes)
         # need not be laid out, and one row cannot be split over `data`.
         if not self.plan.offloads_optimizer:
@@ -147,13 +153,28 @@ class Experiment:
 
     def _init_params(self, rng):
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
-        params = nn.meta.unbox(self.model.init(rng, tokens)["params"])
+        inputs = example_inputs(self.config.model.family, tokens)
+        params = nn.meta.unbox(self.model.init(rng, *inputs)["params"])
         if self.pipeline:
             params["layers"] = jax.tree.map(self.pipeline.layout.to_stages, params["layers"])
         return params
 
-    def _init(self, rng) -> TrainState:
-        params = self._init_params(rng)
+    def _init_from_hf(self, rng) -> TrainState:
+        """The state around params imported from config.init_from_hf, each loaded straight
+        into its sharding (validate limits this to the plain layout: no pipeline, no offload)."""
+        from angel_jax.interop import load_params
+
+        params = load_params(
+            self.config.init_from_hf,
+            self.abstract_state.params,
+            self.state_sharding.params,
+            "config.init_from_hf",
+        )
+        init = jax.jit(self._init, out_shardings=self.state_sharding, donate_argnums=1)
+        return init(rng, params)
+
+    def _init(self, rng, params=None) -> TrainState:
+        params = self._init_params(rng) if params is None else params
         comm = None
         if self.powersgd:
             replicas = self.mesh.shape["data"]
@@ -347,6 +368,10 @@ class Experiment:
         return inputs_BT, targets_BT
 
     def loss(self, params, tokens_BT1: jax.Array):
+        if self.config.model.family != "llama" or self.config.data.packing:
+            # Rows of the objective's fields (data/objectives.py), not plain token windows.
+            loss, metrics, variables = objective_loss(self.model, self.config, params, tokens_BT1)
+            return self._with_router_losses(loss, metrics, variables)
         inputs_BT, targets_BT = self._inputs_and_targets(tokens_BT1)
         z_loss, chunks = self.config.train.z_loss, self.model_config.logits_chunks
         if chunks > 1:
@@ -545,7 +570,8 @@ class Experiment:
 
     def _abstract_batch(self):
         t = self.config.train
-        shape = (t.batch_size, t.seq_len + 1)  # Inputs and, shifted by one, targets.
+        # Inputs and, shifted by one, targets; or the objective's fields side by side.
+        shape = (t.batch_size, row_width(self.config))
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
 
     def _compile(self, jitted, *abstract_args):
@@ -730,14 +756,21 @@ def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, s
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
+    if config.init_from_hf:  # The checkpoint decides the architecture.
+        from angel_jax.interop import apply_checkpoint_architecture
+
+        apply_checkpoint_architecture(config)
+        validate(config)
     rules = sharding.axis_rules(config, mesh)
-    model_config = dataclasses.replace(
-        LlamaConfig.from_config(config.model, jax.default_backend()),
-        fp8_matmul=config.fp8.matmul,
-        # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
-        fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
-    )
-    model = Llama(model_config)
+    model_config, model = make_model(config.model, jax.default_backend())
+    if config.model.family == "llama":
+        model_config = dataclasses.replace(
+            model_config,
+            fp8_matmul=config.fp8.matmul,
+            # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
+            fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
+        )
+        model = Llama(model_config)
     optimizer = make_optimizer(config.train)
     pipeline = None
     if mesh.shape["pipeline"] > 1:
@@ -745,7 +778,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         model_config = dataclasses.replace(model_config, remat=pipeline.remat)
 
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
-    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    inputs = example_inputs(config.model.family, tokens)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"]
     logical = sharding.logical_axes(boxed)
     abstract_params = nn.meta.unbox(boxed)
     if pipeline:  # Stored stage by stage.

@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError
+from angel_jax.data.objectives import make_row_builder, reserved_ids
 from angel_jax.data.tokens import TokenFile, default_corpus
 
 
@@ -53,7 +54,8 @@ def process_rows(batch_sharding: jax.sharding.Sharding, batch_size: int) -> tupl
 
 
 def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None = None) -> Batches:
-    """Batches of this process's rows, int32 tokens of shape (rows, seq_len + 1).
+    """Batches of this process's rows, int32 tokens of shape (rows, seq_len + 1), or the
+    objective's rows built from them (data/objectives.py).
 
     `rows`: the rows [lo, hi) of the global batch to load (`process_rows`); by default an
     even share by process index.
@@ -67,19 +69,21 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
     length = t.seq_len + 1
 
     if config.data.synthetic and config.data.path is None:
-        vocab = config.model.vocab_size
+        vocab = config.model.vocab_size - reserved_ids(config)  # Below mask/sentinel ids.
 
         def synthetic(step):
             rng = np.random.default_rng((seed, step))
             return rng.integers(0, vocab, (t.batch_size, length), dtype=np.int32)[lo : lo + rows]
 
-        return Batches(grain.MapDataset.range(2**62).map(synthetic), config.data.prefetch)
+        dataset = grain.MapDataset.range(2**62).map(synthetic)
+        return _with_objective(dataset, make_row_builder(config, vocab, None), lo, config)
 
     if config.data.path is None:
-        tokens, vocab, where = default_corpus(), 257, "the default corpus"
+        tokens, vocab, where, eos = default_corpus(), 257, "the default corpus", 256
     else:
         data = TokenFile(config.data.path)
         tokens, vocab, where = data.tokens, data.vocab_size, f"config.data.path={config.data.path}"
+        eos = data.meta.get("eos_id")
     if vocab > config.model.vocab_size:
         raise ConfigError(
             f"{where} has token ids up to {vocab - 1}, but config.model.vocab_size="
@@ -101,4 +105,12 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
     dataset = (
         grain.MapDataset.range(windows).shuffle(seed=seed).repeat().batch(t.batch_size).map(read)
     )
+    return _with_objective(dataset, make_row_builder(config, vocab, eos), lo, config)
+
+
+def _with_objective(dataset: grain.MapDataset, build, first_row: int, config) -> Batches:
+    """Batches of the windows, or of the rows `build` makes of them (masked LM, span
+    corruption, packing), from the batch index so resuming rebuilds the same rows."""
+    if build is not None:
+        dataset = dataset.map_with_index(lambda index, windows: build(windows, index, first_row))
     return Batches(dataset, config.data.prefetch)

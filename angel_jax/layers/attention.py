@@ -12,6 +12,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import sharding
+from angel_jax.config import ConfigError
 from angel_jax.layers.linear import Linear
 from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_order
 from angel_jax.sharding import constrain
@@ -21,8 +22,10 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.A
     """Rotary embedding, rotate-half convention (as in Hugging Face Llama)."""
     half = x_BTNH.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_TH = positions_T.astype(jnp.float32)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(angle_TH)[None, :, None, :], jnp.sin(angle_TH)[None, :, None, :]
+    # Positions (T,) shared by the batch, or (B, T) (packed documents each start at 0).
+    angle_BTH = positions_T.astype(jnp.float32)[..., None] * freq
+    angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
+    cos, sin = jnp.cos(angle_BTH)[:, :, None, :], jnp.sin(angle_BTH)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
@@ -40,25 +43,56 @@ class Attention(nn.Module):
     ring_blocks: str = "xla"  # Ring attention's block math (context axis): "xla" or "pallas".
     fp8: bool = False  # Projections through FP8 (Linear.fp8).
     fp8_gather: bool = False  # ZeRO-3 all-gathers of their kernels in FP8 (Linear.fp8_gather).
+    # The classic families (GPT-2, BERT, T5) turn these off or on.
+    rope: bool = True  # Rotary positions on queries and keys.
+    causal: bool = True
+    use_bias: bool = False  # Biases on the projections.
+    scale: float | None = None  # Of the scores; None: 1 / sqrt(head_dim) (T5 uses 1).
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        kv_BSD: jax.Array | None = None,
+        mask_BTS: jax.Array | None = None,
+        bias_NTS: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Self-attention over x, or cross-attention to `kv_BSD`. `mask_BTS` (bool, True:
+        may attend; e.g. same packed document), `bias_NTS` (added to the scores, e.g. T5's
+        relative positions; (1 or B, N, T, S)) and `positions` ((T,) or (B, T), for RoPE) need
+        the whole sequence on each device (no context or sequence split)."""
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         linear = functools.partial(
-            Linear, dtype=self.dtype, fp8=self.fp8, fp8_gather=self.fp8_gather
+            Linear,
+            dtype=self.dtype,
+            fp8=self.fp8,
+            fp8_gather=self.fp8_gather,
+            use_bias=self.use_bias,
         )
+        cross = kv_BSD is not None
+        kv_BSD = kv_BSD if cross else x_BTD
         q_BTNH = linear((n, h), ("embed", "heads", "head_dim"), name="query")(x_BTD)
-        k_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="key")(x_BTD)
-        v_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="value")(x_BTD)
+        k_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="key")(kv_BSD)
+        v_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="value")(kv_BSD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
         length = x_BTD.shape[1]
         mesh, split = sharding.active_mesh(), sharding.rule("length")
-        positions = jnp.arange(length)
+        extras = (mask_BTS, bias_NTS, positions)
+        if split and (any(e is not None for e in extras) or cross or not self.causal):
+            raise ConfigError(
+                "attention masks, biases, per-document positions, cross and bidirectional "
+                "attention (config.data.packing, BERT, T5) need the whole sequence per device: "
+                "set config.mesh.context=1 and config.mesh.sequence=1"
+            )
+        if positions is None:
+            positions = jnp.arange(length)
         if split and "context" in (split if isinstance(split, tuple) else (split,)):
             # Ring attention's zigzag: the model sees its tokens in this order.
             positions = jnp.asarray(zigzag_order(length, mesh.shape["context"]))
-        q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
-        k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
+        if self.rope:
+            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
+            k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         if sharding.rule("kv_heads") != sharding.rule("heads"):
             # KV heads are replicated where query heads are split (fewer KV heads than tensor
@@ -81,8 +115,16 @@ class Attention(nn.Module):
                 ring_blocks=self.ring_blocks,
             )
         else:
+            mask = None if mask_BTS is None else mask_BTS[:, None]  # (B, 1, T, S).
             o_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=self.implementation
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                bias=bias_NTS,
+                mask=mask,
+                scale=self.scale,
+                is_causal=self.causal,
+                implementation=self.implementation,
             )
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"

@@ -71,9 +71,23 @@ class Linear(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
     fp8_gather: bool = False  # ZeRO-3's all-gather of the kernel in FP8 (zero3_dot).
+    use_bias: bool = False  # A bias over the output dims (GPT-2, BERT), named like them.
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        y = self._project(x)
+        if not self.use_bias:
+            return y
+        out_axes = self.axes[len(self.axes) - len(self.features) :]
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros, out_axes),
+            self.features,
+            self.param_dtype,
+        )
+        return y + constrain(bias.astype(self.dtype), out_axes)
+
+    def _project(self, x: jax.Array) -> jax.Array:
         n_in = len(self.axes) - len(self.features)
         in_shape = x.shape[x.ndim - n_in :]
         init = nn.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))

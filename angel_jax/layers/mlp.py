@@ -28,3 +28,28 @@ class SwiGLU(nn.Module):
         gate, up = checkpoint_name((gate, up), "mlp_in")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return linear((d_model,), ("mlp", "embed"), name="down")(h)
+
+
+ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # BERT.
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new".
+    "relu": jax.nn.relu,  # T5 (v1.0).
+}
+
+
+class DenseMLP(nn.Module):
+    """The classic two-matrix feed-forward (GPT-2, BERT, T5): wi, activation, wo; Megatron
+    column-parallel wi, row-parallel wo."""
+
+    ffn_dim: int
+    activation: str = "gelu"  # A key of ACTIVATIONS.
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        linear = functools.partial(Linear, dtype=self.dtype, use_bias=self.use_bias)
+        h = linear((self.ffn_dim,), ("embed", "mlp"), name="wi")(x)
+        h = checkpoint_name(h, "mlp_in")
+        h = constrain(ACTIVATIONS[self.activation](h), ("batch", "length", "mlp"))
+        return linear((x.shape[-1],), ("mlp", "embed"), name="wo")(h)

@@ -10,6 +10,7 @@ from flax import linen as nn
 from angel_jax.config import ConfigError, head_dim
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
 from angel_jax.layers.moe import MoE
+from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.sharding import constrain
 
 # Activations the layers name (checkpoint_name) so remat policies can save or offload them.
@@ -131,7 +132,9 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, h_BTD: jax.Array, _=None):
+    def __call__(self, h_BTD: jax.Array, mask_BTT=None, positions_BT=None):
+        """`mask_BTT` and `positions_BT` (packed documents, `segment_mask` and
+        `segment_positions` of layers/position.py): None for whole rows."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         # The residual stream lives in norm regions ("norm_length": split over tensor under
         # sequence parallel); attention and MLP see the full sequence ("length").
@@ -148,7 +151,7 @@ class DecoderLayer(nn.Module):
             cfg.fp8_matmul,
             cfg.fp8_gather,
             name="attn",
-        )(x)
+        )(x, mask_BTS=mask_BTT, positions=positions_BT)
         residual = ("batch", "norm_length", "embed")
         h_BTD = constrain(h_BTD + attn, residual)
         x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
@@ -176,10 +179,18 @@ class Llama(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array, hidden: bool = False) -> jax.Array:
+    def __call__(
+        self, tokens_BT: jax.Array, hidden: bool = False, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         """Logits (B, T, V) float32, or with `hidden` the final normed states (B, T, D) that
-        the LM head (`lm_head_kernel`) turns into them."""
+        the LM head (`lm_head_kernel`) turns into them. With `segment_ids` (B, T) (packed
+        documents, 0: padding) a token attends only within its document, RoPE positions
+        counted from the document's start (the mask goes to jax.nn.dot_product_attention; on
+        cuDNN that path is not yet measured on a GPU)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        context = (None, None)
+        if segment_ids is not None:
+            context = (segment_mask(segment_ids, segment_ids), segment_positions(segment_ids))
         embed = Embed(cfg.vocab_size, cfg.d_model, dtype, name="embed")
         h_BTD = constrain(embed(tokens_BT), ("batch", "norm_length", "embed"))
 
@@ -197,14 +208,15 @@ class Llama(nn.Module):
                 layer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            h_BTD, stats = stack(cfg, name="layers")(h_BTD)
+            h_BTD, stats = stack(cfg, name="layers")(h_BTD, *context)
         else:
             per_layer = []
             for i in range(cfg.num_layers):
-                h_BTD, layer_stats = layer(cfg, name=f"layer_{i}")(h_BTD)
+                h_BTD, layer_stats = layer(cfg, name=f"layer_{i}")(h_BTD, *context)
                 per_layer.append(layer_stats)
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
         if cfg.num_experts:  # Router losses and load, per layer, for the loss and metrics.

@@ -1,0 +1,266 @@
+"""Text generation for our decoders: greedy or temperature/top-k sampling with a KV cache.
+
+    python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
+        --prompt-tokens 72,101,108,108,111 --steps 32 [--temperature 0.8 --top-k 40]
+    python -m angel_jax.generate --config configs/llama_finetune.py \\
+        --config.init_from_hf=/path/to/hf_llama --prompt-tokens 1,450,4996 --steps 16
+
+The decode path applies the model's own layers (models/llama.py) to its params, one layer at a
+time under `lax.scan`, with each layer's keys and values kept in a cache of the full length:
+the prompt fills it in one pass, then each step adds one token. It is jitted under the
+training rules (the params in their training layout, batch over `data`, heads over `tensor`).
+
+Letters: B batch, T new tokens, S cache length, D model dim, N query heads, K kv heads,
+G query heads per kv head, H head dim, V vocabulary, L layers.
+"""
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from angel_jax import sharding
+from angel_jax.config import ConfigError
+from angel_jax.layers import Linear, RMSNorm, SwiGLU, apply_rope
+from angel_jax.layers.moe import MoE
+from angel_jax.models.llama import LlamaConfig, embed_tokens, final_norm, lm_head_kernel
+from angel_jax.sharding import constrain
+
+CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
+
+
+def init_cache(cfg: LlamaConfig, batch: int, length: int) -> dict:
+    """Keys and values of every layer, (L, B, S, K, H) each, zero until written."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    return dict(k=constrain(zeros, CACHE_AXES), v=constrain(zeros, CACHE_AXES))
+
+
+def _attention(cfg: LlamaConfig, p, x_BTD, k_BSKH, v_BSKH, start):
+    """Causal attention of the T new tokens (at positions start..start+T-1) over the cache,
+    after writing their keys and values into it. Returns (out, k cache, v cache)."""
+    dtype = jnp.dtype(cfg.dtype)
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    project = lambda features, axes, name, x: Linear(features, axes, dtype).apply(
+        {"params": p[name]}, x
+    )
+    positions = start + jnp.arange(x_BTD.shape[1])
+    q_BTNH = apply_rope(
+        project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD), positions, cfg.rope_theta
+    )
+    new_k = apply_rope(
+        project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD), positions, cfg.rope_theta
+    )
+    new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
+    k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
+    v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
+    b, t = x_BTD.shape[:2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    scores = scores / np.sqrt(h)
+    visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
+    scores = jnp.where(visible_TS, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    o_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH).reshape(b, t, n, h)
+    out = project((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), "out", o_BTNH)
+    return out, k_BSKH, v_BSKH
+
+
+def _layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
+    """One decoder layer (as models/llama.py's DecoderLayer) over the new tokens."""
+    dtype = jnp.dtype(cfg.dtype)
+    norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
+    attn, k_BSKH, v_BSKH = _attention(
+        cfg, p["attn"], norm("attn_norm", h_BTD), k_BSKH, v_BSKH, start
+    )
+    h_BTD = h_BTD + attn
+    x = norm("mlp_norm", h_BTD)
+    if not cfg.num_experts:
+        return h_BTD + SwiGLU(cfg.ffn_dim, dtype).apply({"params": p["mlp"]}, x), k_BSKH, v_BSKH
+    moe = MoE(
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.moe_ffn_dim,
+        cfg.router,
+        cfg.capacity_factor,
+        dtype,
+    )
+    y, _ = moe.apply({"params": p["moe"]}, x)
+    if cfg.shared_experts:
+        shared = SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype)
+        y = y + shared.apply({"params": p["shared"]}, x)
+    return h_BTD + y, k_BSKH, v_BSKH
+
+
+def stacked_layers(cfg: LlamaConfig, params):
+    """The layers' params with a leading layer axis, whether scanned (`layers`) or not."""
+    if "layers" in params:
+        return params["layers"]
+    per_layer = [params[f"layer_{i}"] for i in range(cfg.num_layers)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def forward_with_cache(cfg: LlamaConfig, params, tokens_BT, cache: dict, start):
+    """(logits (B, T, V) float32, cache) for tokens at positions start..start+T-1, given
+    the cache of every earlier position."""
+    h_BTD = embed_tokens(cfg, params, tokens_BT)
+
+    def step(h_BTD, layer):
+        p, k_BSKH, v_BSKH = layer
+        h_BTD, k_BSKH, v_BSKH = _layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
+        return h_BTD, (k_BSKH, v_BSKH)
+
+    layers = (stacked_layers(cfg, params), cache["k"], cache["v"])
+    h_BTD, (k, v) = jax.lax.scan(step, h_BTD, layers)
+    h_BTD = final_norm(cfg, params, h_BTD)
+    logits = jnp.einsum("btd,dv->btv", h_BTD, lm_head_kernel(cfg, params))
+    cache = dict(k=constrain(k, CACHE_AXES), v=constrain(v, CACHE_AXES))
+    return logits.astype(jnp.float32), cache
+
+
+def sample(logits_BV, rng, temperature, top_k):
+    """Next tokens (B,): the argmax when temperature is 0, else a draw from the softmax of
+    logits / temperature over the `top_k` likeliest (all when top_k is 0). Both may be traced,
+    so one compiled program serves every setting."""
+    greedy = jnp.argmax(logits_BV, axis=-1)
+    scaled = logits_BV / jnp.where(temperature > 0, temperature, 1.0)
+    vocab = logits_BV.shape[-1]
+    kth = jnp.sort(scaled, axis=-1)[:, vocab - jnp.where(top_k > 0, top_k, vocab)]
+    scaled = jnp.where(scaled < kth[:, None], -jnp.inf, scaled)
+    drawn = jax.random.categorical(rng, scaled, axis=-1)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "with_logits"))
+def generate_tokens(
+    cfg: LlamaConfig,
+    params,
+    prompt_BT,
+    rng,
+    temperature,
+    top_k,
+    steps: int,
+    with_logits: bool = False,
+):
+    """The prompt followed by `steps` generated tokens, (B, T + steps); `with_logits` also
+    the logits each token was drawn from, (B, steps, V) float32."""
+    b, t = prompt_BT.shape
+    cache = init_cache(cfg, b, t + steps)
+    logits, cache = forward_with_cache(cfg, params, prompt_BT, cache, 0)
+    first = sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
+
+    def step(carry, i):
+        token_B, cache = carry
+        logits, cache = forward_with_cache(cfg, params, token_B[:, None], cache, t + i)
+        nxt = sample(logits[:, -1], jax.random.fold_in(rng, i + 1), temperature, top_k)
+        return (nxt, cache), (token_B, logits[:, -1] if with_logits else None)
+
+    (last, _), (tokens_SB, logits_SBV) = jax.lax.scan(step, (first, cache), jnp.arange(steps - 1))
+    tokens = jnp.concatenate([prompt_BT, tokens_SB.T, last[:, None]], axis=1)
+    if not with_logits:
+        return tokens
+    return tokens, jnp.concatenate([logits[:, -1:], logits_SBV.swapaxes(0, 1)], axis=1)
+
+
+def generate(
+    exp,
+    params,
+    prompt_BT,
+    steps: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    with_logits: bool = False,
+):
+    """Generates with an `Experiment`'s model (`exp` from `train.build`), its params in the
+    training layout, jitted under its sharding rules. Returns (B, T + steps) tokens, and
+    with `with_logits` the (B, steps, V) logits each new token was drawn from."""
+    if exp.config.model.family != "llama":
+        raise ConfigError(
+            f"generate: config.model.family={exp.config.model.family!r}; generation covers the "
+            "llama family (Llama, Mixtral) so far"
+        )
+    if steps < 1 or temperature < 0 or top_k < 0 or top_k > exp.model_config.vocab_size:
+        raise ConfigError(
+            f"generate: steps={steps}, temperature={temperature}, top_k={top_k}: need steps >= "
+            f"1, temperature >= 0 (0: greedy), 0 <= top_k <= vocab_size (0: all tokens)"
+        )
+    prompt_BT = np.asarray(prompt_BT, np.int32)
+    # The sequence is never split here: one new token a step.
+    rules = dict(exp.rules, length=None, norm_length=None)
+    batch_ways = np.prod([exp.mesh.shape[a] for a in jax.tree.leaves(rules["batch"])])
+    if prompt_BT.shape[0] % batch_ways:  # Too few prompts to split: each device runs all.
+        rules["batch"] = None
+    batch = NamedSharding(exp.mesh, sharding.logical_to_spec(("batch", None), rules))
+    prompt_BT = jax.device_put(prompt_BT, batch)
+    rng, temperature, top_k = jax.random.key(seed), np.float32(temperature), np.int32(top_k)
+    with sharding.use_rules(exp.mesh, rules):  # constrain() lays out what it traces so.
+        out = generate_tokens(
+            exp.model_config, params, prompt_BT, rng, temperature, top_k, steps, with_logits
+        )
+    return jax.tree.map(np.asarray, jax.device_get(out))
+
+
+def load_params_for(exp, checkpoint: str | None):
+    """Params for generation: the latest of our checkpoints in the workdir `checkpoint`, or the
+    Hugging Face checkpoint at config.init_from_hf."""
+    if checkpoint:
+        from angel_jax.checkpoint import Checkpointer
+
+        keep = exp.config.checkpoint.keep  # As the run kept them: nothing is deleted.
+        ckpt = Checkpointer(checkpoint, every_steps=0, keep=keep, async_save=False)
+        found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy)
+        ckpt.close()
+        if found is None:
+            raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there")
+        return exp.from_checkpointed(found.state).params
+    if exp.config.init_from_hf:
+        from angel_jax.interop import load_params
+
+        abstract, shardings = exp.abstract_state.params, exp.state_sharding.params
+        return load_params(exp.config.init_from_hf, abstract, shardings, "config.init_from_hf")
+    raise ConfigError(
+        "nothing to generate with: pass --checkpoint WORKDIR (a training run's) or "
+        "--config.init_from_hf=DIR (a Hugging Face checkpoint)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
+    parser.add_argument("--checkpoint", help="a training run's workdir (its latest checkpoint)")
+    parser.add_argument("--prompt-tokens", required=True, help="token ids, e.g. 1,450,4996")
+    parser.add_argument("--steps", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest")
+    parser.add_argument("--seed", type=int, default=0)
+    args, overrides = parser.parse_known_args(argv)
+    jax.config.update("jax_threefry_partitionable", True)
+    from angel_jax.config import load_config
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    try:
+        config = load_config(args.config, overrides)
+        try:
+            prompt = [[int(t) for t in args.prompt_tokens.split(",")]]
+        except ValueError:
+            raise ConfigError(
+                f"--prompt-tokens {args.prompt_tokens}: give comma-separated token ids"
+            ) from None
+        exp = build(config, make_mesh(config.mesh))
+        params = load_params_for(exp, args.checkpoint)
+        tokens = generate(exp, params, prompt, args.steps, args.temperature, args.top_k, args.seed)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(",".join(str(t) for t in tokens[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
