@@ -53,6 +53,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.ffn_dim = 128
     c.model.vocab_size = 512
     c.model.rope_theta = 10000.0
+    # Longer contexts than the model trained on (layers/attention.py RopeScaling): kind none |
+    # linear | llama3 (Llama 3.1's, with the two frequency factors and the original length).
+    c.model.rope_scaling = ml_collections.ConfigDict(
+        dict(
+            kind="none",
+            factor=1.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_positions=8192,
+        )
+    )
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
@@ -323,6 +334,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.model.head_dim={head_dim(m)} is odd; rotary embeddings rotate pairs of "
             "channels, so set config.model.head_dim (or d_model / num_heads) to an even number"
+        )
+    rs = m.rope_scaling
+    if rs.kind not in ("none", "linear", "llama3"):
+        raise ConfigError(f"config.model.rope_scaling.kind={rs.kind!r}: use none, linear or llama3")
+    if rs.factor <= 0 or (rs.kind == "llama3" and rs.high_freq_factor <= rs.low_freq_factor):
+        raise ConfigError(
+            f"config.model.rope_scaling: factor={rs.factor} must be positive and "
+            f"high_freq_factor={rs.high_freq_factor} above low_freq_factor={rs.low_freq_factor}"
         )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(

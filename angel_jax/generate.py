@@ -50,10 +50,16 @@ def _attention(cfg: LlamaConfig, p, x_BTD, k_BSKH, v_BSKH, start):
     )
     positions = start + jnp.arange(x_BTD.shape[1])
     q_BTNH = apply_rope(
-        project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD), positions, cfg.rope_theta
+        project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD),
+        positions,
+        cfg.rope_theta,
+        cfg.rope_scaling,
     )
     new_k = apply_rope(
-        project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD), positions, cfg.rope_theta
+        project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD),
+        positions,
+        cfg.rope_theta,
+        cfg.rope_scaling,
     )
     new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
     k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)

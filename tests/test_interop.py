@@ -33,6 +33,20 @@ MODELS = {
             **SMALL, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5e5
         )
     ),
+    # Llama 3.1's RoPE, with an original length that puts frequencies in all three bands.
+    "llama3_rope_scaling": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **SMALL,
+            num_key_value_heads=2,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        )
+    ),
     "llama_tied": lambda: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**SMALL, num_key_value_heads=4, tie_word_embeddings=True)
     ),
@@ -207,3 +221,26 @@ def test_mismatched_weights_are_config_errors(tmp_path):
     message = r"down_proj.weight has shape \(64, 96\), our layers/mlp/down/kernel needs \(64, 128"
     with pytest.raises(ConfigError, match=message):
         llama.load_params(path, exp.abstract_state.params, exp.state_sharding.params)
+
+
+@pytest.mark.parametrize("kind", ["linear", "llama3"])
+def test_rope_scaling_frequencies_match_transformers(kind):
+    """Every band of Llama 3.1's scaling (head dim 16, original length 32: wavelengths below
+    8 kept, 8..32 blended, above 32 stretched) and linear scaling."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from angel_jax.layers.attention import RopeScaling, rope_frequencies
+
+    rope = dict(rope_type=kind, factor=8.0)
+    if kind == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    hf_config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=64, rope_scaling=rope
+    )
+    expected = LlamaRotaryEmbedding(hf_config).inv_freq.numpy()
+    ours = rope_frequencies(8, 10000.0, RopeScaling(kind, 8.0, 1.0, 4.0, 32))
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+    ratios = expected / np.asarray(rope_frequencies(8, 10000.0))
+    assert len(set(np.round(ratios, 4))) == (
+        3 if kind == "llama3" else 1
+    )  # The bands are all there: kept (1), blended, stretched (1/8).

@@ -91,7 +91,7 @@ def model_settings(hf: dict, setting: str = "checkpoint") -> dict:
         head_dim=hf.get("head_dim") or d_model // heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
-        rope_theta=float(_rope_theta(hf, setting)),
+        **_rope(hf, setting),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_experts=0,
@@ -108,17 +108,41 @@ def model_settings(hf: dict, setting: str = "checkpoint") -> dict:
     return out
 
 
-def _rope_theta(hf: dict, setting: str) -> float:
-    # transformers 5 writes rope_parameters; older files rope_theta and rope_scaling.
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
+def _rope(hf: dict, setting: str) -> dict:
+    """rope_theta and rope_scaling settings: transformers 5 writes rope_parameters, older
+    files rope_theta and rope_scaling."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind not in ("linear", "llama3"):
         raise ConfigError(
-            f"{setting}: rope scaling {kind!r} is not supported yet (our attention applies "
-            "plain RoPE); use a checkpoint without rope_scaling"
+            f"{setting}: rope scaling {kind!r} is not supported (linear and llama3 are); use "
+            "a checkpoint with one of those or none"
         )
-    return rope.get("rope_theta") or hf.get("rope_theta") or 10000.0
+    scaling = dict(kind=kind, factor=float(rope["factor"]))
+    if kind == "llama3":
+        scaling.update(
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_positions=int(rope["original_max_position_embeddings"]),
+        )
+    return dict(rope_theta=theta, rope_scaling=scaling)
+
+
+def _rope_parameters(model: ml_collections.ConfigDict) -> dict:
+    """Hugging Face's rope_parameters for our settings (the inverse of `_rope`)."""
+    rs, out = model.rope_scaling, dict(rope_type="default", rope_theta=model.rope_theta)
+    if rs.kind != "none":
+        out.update(rope_type=rs.kind, factor=rs.factor)
+    if rs.kind == "llama3":
+        out.update(
+            low_freq_factor=rs.low_freq_factor,
+            high_freq_factor=rs.high_freq_factor,
+            original_max_position_embeddings=rs.original_max_positions,
+        )
+    return out
 
 
 def hf_config(model: ml_collections.ConfigDict, dtype: str = "float32") -> dict:
@@ -141,7 +165,7 @@ def hf_config(model: ml_collections.ConfigDict, dtype: str = "float32") -> dict:
         vocab_size=model.vocab_size,
         rms_norm_eps=model.norm_eps,
         rope_theta=model.rope_theta,
-        rope_parameters=dict(rope_type="default", rope_theta=model.rope_theta),
+        rope_parameters=_rope_parameters(model),
         tie_word_embeddings=model.tie_embeddings,
         hidden_act="silu",
         attention_bias=False,

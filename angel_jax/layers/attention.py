@@ -4,7 +4,9 @@ Megatron split: Q/K/V projections are column-parallel over heads, the output pro
 row-parallel, so tensor parallel needs one reduction per attention block.
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +20,45 @@ from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_ord
 from angel_jax.sharding import constrain
 
 
-def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, rotate-half convention (as in Hugging Face Llama)."""
-    half = x_BTNH.shape[-1] // 2
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE for contexts beyond training's: `linear` divides every frequency by `factor`;
+    `llama3` (Llama 3.1) divides those whose wavelength exceeds original_max_positions /
+    low_freq_factor, keeps those under original_max_positions / high_freq_factor, and blends
+    the band between."""
+
+    kind: str = "none"  # none | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+
+def rope_frequencies(half: int, theta: float, scaling: RopeScaling = RopeScaling()) -> jax.Array:
+    """The `half` rotation frequencies (radians per position) of a head dim of 2 x half."""
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling.kind == "linear":
+        return freq / scaling.factor
+    if scaling.kind == "llama3":
+        wavelength = 2 * math.pi / freq
+        old = scaling.original_max_positions
+        blend = (old / wavelength - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - blend) * freq / scaling.factor + blend * freq
+        long, short = (
+            wavelength > old / scaling.low_freq_factor,
+            wavelength < old / scaling.high_freq_factor,
+        )
+        return jnp.where(long, freq / scaling.factor, jnp.where(short, freq, blended))
+    return freq
+
+
+def apply_rope(
+    x_BTNH: jax.Array, positions_T: jax.Array, theta: float, scaling: RopeScaling = RopeScaling()
+) -> jax.Array:
+    """Rotary embedding, rotate-half convention (as in Hugging Face Llama)."""
+    freq = rope_frequencies(x_BTNH.shape[-1] // 2, theta, scaling)
     # Positions (T,) shared by the batch, or (B, T) (packed documents each start at 0).
     angle_BTH = positions_T.astype(jnp.float32)[..., None] * freq
     angle_BTH = angle_BTH if angle_BTH.ndim == 3 else angle_BTH[None]
@@ -48,6 +85,7 @@ class Attention(nn.Module):
     causal: bool = True
     use_bias: bool = False  # Biases on the projections.
     scale: float | None = None  # Of the scores; None: 1 / sqrt(head_dim) (T5 uses 1).
+    rope_scaling: RopeScaling = RopeScaling()
 
     @nn.compact
     def __call__(
@@ -91,8 +129,8 @@ class Attention(nn.Module):
             # Ring attention's zigzag: the model sees its tokens in this order.
             positions = jnp.asarray(zigzag_order(length, mesh.shape["context"]))
         if self.rope:
-            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta)
-            k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta)
+            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta, self.rope_scaling)
+            k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta, self.rope_scaling)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         if sharding.rule("kv_heads") != sharding.rule("heads"):
             # KV heads are replicated where query heads are split (fewer KV heads than tensor

@@ -8,7 +8,7 @@ import ml_collections
 from flax import linen as nn
 
 from angel_jax.config import ConfigError, head_dim
-from angel_jax.layers import Attention, Embed, Linear, RMSNorm, SwiGLU
+from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.sharding import constrain
@@ -52,6 +52,7 @@ class LlamaConfig:
     ffn_dim: int
     vocab_size: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "bfloat16"
@@ -91,6 +92,7 @@ class LlamaConfig:
             ffn_dim=model.ffn_dim,
             vocab_size=model.vocab_size,
             rope_theta=model.rope_theta,
+            rope_scaling=RopeScaling(**model.rope_scaling),
             norm_eps=model.norm_eps,
             tie_embeddings=model.tie_embeddings,
             dtype=model.dtype,
@@ -150,6 +152,7 @@ class DecoderLayer(nn.Module):
             cfg.ring_blocks,
             cfg.fp8_matmul,
             cfg.fp8_gather,
+            rope_scaling=cfg.rope_scaling,
             name="attn",
         )(x, mask_BTS=mask_BTT, positions=positions_BT)
         residual = ("batch", "norm_length", "embed")
