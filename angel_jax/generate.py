@@ -1,14 +1,16 @@
-"""Text generation for our decoders: greedy or temperature/top-k sampling with a KV cache.
+"""Text generation for our decoders (Llama, Mixtral, GPT-2): greedy or temperature/top-k
+sampling with a KV cache.
 
     python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
         --prompt-tokens 72,101,108,108,111 --steps 32 [--temperature 0.8 --top-k 40]
     python -m angel_jax.generate --config configs/llama_finetune.py \\
         --config.init_from_hf=/path/to/hf_llama --prompt-tokens 1,450,4996 --steps 16
 
-The decode path applies the model's own layers (models/llama.py) to its params, one layer at a
-time under `lax.scan`, with each layer's keys and values kept in a cache of the full length:
-the prompt fills it in one pass, then each step adds one token. It is jitted under the
-training rules (the params in their training layout, batch over `data`, heads over `tensor`).
+The decode path applies the model's own layers (models/llama.py, models/gpt2.py) to its
+params, one layer at a time under `lax.scan`, with each layer's keys and values kept in a cache
+of the full length: the prompt fills it in one pass, then each step adds one token. It is jitted
+under the training rules (the params in their training layout, batch over `data`, heads over
+`tensor`). GPT-2 generates at most config.model.max_positions positions, its table's rows.
 
 Letters: B batch, T new tokens, S cache length, D model dim, N query heads, K kv heads,
 G query heads per kv head, H head dim, V vocabulary, L layers.
@@ -25,42 +27,47 @@ from jax.sharding import NamedSharding
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError
-from angel_jax.layers import Linear, RMSNorm, SwiGLU, apply_rope
+from angel_jax.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope
+from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.moe import MoE
+from angel_jax.layers.norm import LayerNorm
+from angel_jax.models.classic import ClassicConfig
 from angel_jax.models.llama import LlamaConfig, embed_tokens, final_norm, lm_head_kernel
 from angel_jax.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
+FAMILIES = ("llama", "gpt2")  # Those generate() covers.
+ModelConfig = LlamaConfig | ClassicConfig  # ClassicConfig: GPT-2's, the one classic decoder.
 
 
-def init_cache(cfg: LlamaConfig, batch: int, length: int) -> dict:
+def _is_gpt2(cfg: ModelConfig) -> bool:
+    return isinstance(cfg, ClassicConfig)
+
+
+def _kv_heads(cfg: ModelConfig) -> int:
+    return cfg.num_heads if _is_gpt2(cfg) else cfg.num_kv_heads  # GPT-2: one per query head.
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
     """Keys and values of every layer, (L, B, S, K, H) each, zero until written."""
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, length, _kv_heads(cfg), cfg.head_dim)
     zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return dict(k=constrain(zeros, CACHE_AXES), v=constrain(zeros, CACHE_AXES))
 
 
-def _attention(cfg: LlamaConfig, p, x_BTD, k_BSKH, v_BSKH, start):
+def _attention(cfg: ModelConfig, p, x_BTD, k_BSKH, v_BSKH, start):
     """Causal attention of the T new tokens (at positions start..start+T-1) over the cache,
     after writing their keys and values into it. Returns (out, k cache, v cache)."""
-    dtype = jnp.dtype(cfg.dtype)
-    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    project = lambda features, axes, name, x: Linear(features, axes, dtype).apply(
+    dtype, gpt2 = jnp.dtype(cfg.dtype), _is_gpt2(cfg)
+    n, k, h = cfg.num_heads, _kv_heads(cfg), cfg.head_dim
+    project = lambda features, axes, name, x: Linear(features, axes, dtype, use_bias=gpt2).apply(
         {"params": p[name]}, x
     )
     positions = start + jnp.arange(x_BTD.shape[1])
-    q_BTNH = apply_rope(
-        project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD),
-        positions,
-        cfg.rope_theta,
-        cfg.rope_scaling,
-    )
-    new_k = apply_rope(
-        project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD),
-        positions,
-        cfg.rope_theta,
-        cfg.rope_scaling,
-    )
+    # GPT-2's positions were added to its embeddings; Llama rotates queries and keys.
+    rope = lambda x: x if gpt2 else apply_rope(x, positions, cfg.rope_theta, cfg.rope_scaling)
+    q_BTNH = rope(project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD))
+    new_k = rope(project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD))
     new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
     k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
     v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
@@ -76,7 +83,7 @@ def _attention(cfg: LlamaConfig, p, x_BTD, k_BSKH, v_BSKH, start):
     return out, k_BSKH, v_BSKH
 
 
-def _layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
+def _llama_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
     """One decoder layer (as models/llama.py's DecoderLayer) over the new tokens."""
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
@@ -102,30 +109,65 @@ def _layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
     return h_BTD + y, k_BSKH, v_BSKH
 
 
-def stacked_layers(cfg: LlamaConfig, params):
+def _gpt2_layer(cfg: ClassicConfig, p, h_BTD, k_BSKH, v_BSKH, start):
+    """One GPT-2 block (as models/gpt2.py's GPT2Block) over the new tokens."""
+    dtype = jnp.dtype(cfg.dtype)
+    norm = lambda name, x: LayerNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
+    attn, k_BSKH, v_BSKH = _attention(
+        cfg, p["attn"], norm("attn_norm", h_BTD), k_BSKH, v_BSKH, start
+    )
+    h_BTD = h_BTD + attn
+    mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype)
+    return h_BTD + mlp.apply({"params": p["mlp"]}, norm("mlp_norm", h_BTD)), k_BSKH, v_BSKH
+
+
+def stacked_layers(cfg: ModelConfig, params):
     """The layers' params with a leading layer axis, whether scanned (`layers`) or not."""
     if "layers" in params:
         return params["layers"]
-    per_layer = [params[f"layer_{i}"] for i in range(cfg.num_layers)]
+    name = "layers_{}" if _is_gpt2(cfg) else "layer_{}"  # As each model names them unrolled.
+    per_layer = [params[name.format(i)] for i in range(cfg.num_layers)]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
-def forward_with_cache(cfg: LlamaConfig, params, tokens_BT, cache: dict, start):
+def _embed(cfg: ModelConfig, params, tokens_BT, start):
+    """The tokens' embeddings; GPT-2 adds its learned positions start..start+T-1 (generate()
+    checks they exist: a slice past the table's end would be clamped, not refused)."""
+    h_BTD = embed_tokens(cfg, params, tokens_BT)
+    if not _is_gpt2(cfg):
+        return h_BTD
+    table = params["pos_embed"].astype(h_BTD.dtype)
+    return h_BTD + jax.lax.dynamic_slice_in_dim(table, start, tokens_BT.shape[1])
+
+
+def _logits(cfg: ModelConfig, params, h_BTD):
+    """The last layer's states through the final norm and the LM head: (B, T, V) float32."""
+    if not _is_gpt2(cfg):
+        h_BTD = final_norm(cfg, params, h_BTD)
+        return jnp.einsum("btd,dv->btv", h_BTD, lm_head_kernel(cfg, params)).astype(jnp.float32)
+    dtype = jnp.dtype(cfg.dtype)
+    h_BTD = LayerNorm(cfg.norm_eps, dtype).apply({"params": params["final_norm"]}, h_BTD)
+    h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+    # GPT-2's head is its embedding table whatever config.model.tie_embeddings says.
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype)
+    return embed.apply({"params": params["embed"]}, h_BTD, method="attend").astype(jnp.float32)
+
+
+def forward_with_cache(cfg: ModelConfig, params, tokens_BT, cache: dict, start):
     """(logits (B, T, V) float32, cache) for tokens at positions start..start+T-1, given
     the cache of every earlier position."""
-    h_BTD = embed_tokens(cfg, params, tokens_BT)
+    h_BTD = _embed(cfg, params, tokens_BT, start)
+    layer = _gpt2_layer if _is_gpt2(cfg) else _llama_layer
 
-    def step(h_BTD, layer):
-        p, k_BSKH, v_BSKH = layer
-        h_BTD, k_BSKH, v_BSKH = _layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
+    def step(h_BTD, layer_cache):
+        p, k_BSKH, v_BSKH = layer_cache
+        h_BTD, k_BSKH, v_BSKH = layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
         return h_BTD, (k_BSKH, v_BSKH)
 
     layers = (stacked_layers(cfg, params), cache["k"], cache["v"])
     h_BTD, (k, v) = jax.lax.scan(step, h_BTD, layers)
-    h_BTD = final_norm(cfg, params, h_BTD)
-    logits = jnp.einsum("btd,dv->btv", h_BTD, lm_head_kernel(cfg, params))
     cache = dict(k=constrain(k, CACHE_AXES), v=constrain(v, CACHE_AXES))
-    return logits.astype(jnp.float32), cache
+    return _logits(cfg, params, h_BTD), cache
 
 
 def sample(logits_BV, rng, temperature, top_k):
@@ -143,7 +185,7 @@ def sample(logits_BV, rng, temperature, top_k):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "with_logits"))
 def generate_tokens(
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     params,
     prompt_BT,
     rng,
@@ -185,10 +227,11 @@ def generate(
     """Generates with an `Experiment`'s model (`exp` from `train.build`), its params in the
     training layout, jitted under its sharding rules. Returns (B, T + steps) tokens, and
     with `with_logits` the (B, steps, V) logits each new token was drawn from."""
-    if exp.config.model.family != "llama":
+    model = exp.config.model
+    if model.family not in FAMILIES:
         raise ConfigError(
-            f"generate: config.model.family={exp.config.model.family!r}; generation covers the "
-            "llama family (Llama, Mixtral) so far"
+            f"generate: config.model.family={model.family!r}; generation covers the decoders "
+            f"{', '.join(FAMILIES)} (llama: Llama, Mixtral)"
         )
     if steps < 1 or temperature < 0 or top_k < 0 or top_k > exp.model_config.vocab_size:
         raise ConfigError(
@@ -196,6 +239,13 @@ def generate(
             f"1, temperature >= 0 (0: greedy), 0 <= top_k <= vocab_size (0: all tokens)"
         )
     prompt_BT = np.asarray(prompt_BT, np.int32)
+    length = prompt_BT.shape[1] + steps
+    if model.family == "gpt2" and length > model.max_positions:
+        raise ConfigError(
+            f"generate: {prompt_BT.shape[1]} prompt tokens + {steps} steps = {length} positions, "
+            f"more than GPT-2's position table, config.model.max_positions={model.max_positions}"
+            "; shorten the prompt or generate fewer steps"
+        )
     # The sequence is never split here: one new token a step.
     rules = dict(exp.rules, length=None, norm_length=None)
     batch_ways = np.prod([exp.mesh.shape[a] for a in jax.tree.leaves(rules["batch"])])

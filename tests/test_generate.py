@@ -1,16 +1,17 @@
 """Generation with a KV cache: the cache changes nothing but speed, sampling obeys top-k, and
-greedy decoding of an imported Hugging Face Llama matches transformers' own."""
+greedy decoding of imported Hugging Face Llama and GPT-2 models matches transformers' own."""
 
 import functools
 
 import jax
 import numpy as np
+import pytest
 import torch
 import transformers
 
 from angel_jax import generate, sharding, train
-from angel_jax.config import default_config
-from angel_jax.interop import llama
+from angel_jax.config import ConfigError, default_config
+from angel_jax.interop import gpt2, llama
 from angel_jax.mesh import make_mesh
 
 VOCAB, PROMPT, STEPS = 128, 5, 6
@@ -113,6 +114,45 @@ def test_greedy_generation_of_imported_llama_matches_transformers(tmp_path):
     c.train.update(batch_size=4, seq_len=16)
     exp = train.build(c, make_mesh(c.mesh))
     params = llama.load_params(tmp_path, exp.abstract_state.params, exp.state_sharding.params)
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, PROMPT))
+    ours = generate.generate(exp, params, prompt, STEPS)
+    with torch.no_grad():
+        ref = model.generate(
+            torch.from_numpy(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            pad_token_id=0,
+        ).numpy()
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_gpt2_cached_decoding_equals_the_full_forward_within_its_positions():
+    exp = experiment(family="gpt2", num_kv_heads=4, max_positions=16)
+    params = random_params(exp)
+    prompt = np.random.default_rng(1).integers(0, VOCAB, (4, PROMPT))
+    tokens, logits = generate.generate(exp, params, prompt, STEPS, with_logits=True)
+    full = full_logits(exp, params, tokens)
+    np.testing.assert_allclose(logits, full[:, PROMPT - 1 : -1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(tokens, recomputed_greedy(exp, params, prompt, STEPS))
+    # The learned position table has 16 rows: a 17th position is refused, not clamped.
+    with pytest.raises(ConfigError, match="config.model.max_positions=16"):
+        generate.generate(exp, params, prompt, 16 - PROMPT + 1)
+
+
+def test_greedy_generation_of_imported_gpt2_matches_transformers(tmp_path):
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_inner=64, vocab_size=VOCAB, n_positions=16
+    )
+    model = transformers.GPT2LMHeadModel(hf_config).eval()
+    model.save_pretrained(tmp_path)
+    c = default_config()
+    c.model.update(gpt2.model_settings(hf_config.to_dict()), dtype="float32")
+    c.mesh.update(data=4, tensor=2)
+    c.train.update(batch_size=4, seq_len=16)
+    exp = train.build(c, make_mesh(c.mesh))
+    params = gpt2.load_params(tmp_path, exp.abstract_state.params, exp.state_sharding.params)
     prompt = np.random.default_rng(2).integers(0, VOCAB, (2, PROMPT))
     ours = generate.generate(exp, params, prompt, STEPS)
     with torch.no_grad():
