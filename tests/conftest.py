@@ -1,9 +1,14 @@
-"""Tests run on 8 emulated CPU devices; the flag must be set before JAX is imported."""
+"""Tests run on 8 emulated CPU devices; the flags must be set before JAX is imported.
+
+The tests' models are tiny, so compiling dominates their time: LLVM's optimisation level 0
+compiles about a third faster (the MoE expert-parallel test: 29 s -> 18 s) and changes no HLO.
+"""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
