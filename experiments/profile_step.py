@@ -107,7 +107,8 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
                 hlo_op=op,
                 kernel=label,
                 ms_per_step=us / 1e3 / steps,
-                source=sources.get(op, ""),
+                # Kernels inside command buffers name their fusion: "fusion_12" is "fusion.12".
+                source=sources.get(op) or sources.get(re.sub(r"_(\d+)$", r".\1", label), ""),
             )
             for (kind, op, label), us in by_name.most_common(top)
         ],

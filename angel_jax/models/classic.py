@@ -11,7 +11,7 @@ import ml_collections
 from flax import linen as nn
 
 from angel_jax.config import head_dim
-from angel_jax.models.llama import REMAT_POLICIES
+from angel_jax.models.llama import REMAT_POLICIES, resolve_attention
 
 # The residual stream's layout (as in Llama; "norm_length" splits under sequence parallel).
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -42,9 +42,7 @@ class ClassicConfig:
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "ClassicConfig":
-        attention = model.attention
-        if attention == "auto":
-            attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
+        attention = resolve_attention(model, backend)
         return cls(
             family=model.family,
             num_layers=model.num_layers,

@@ -42,6 +42,19 @@ REMAT_POLICIES = {
 }
 
 
+def resolve_attention(model: ml_collections.ConfigDict, backend: str) -> str:
+    """config.model.attention with auto resolved: cudnn on a GPU in a 16-bit dtype, else xla."""
+    attention = model.attention
+    if attention == "auto":
+        attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
+    if attention == "cudnn" and (backend != "gpu" or model.dtype == "float32"):
+        raise ConfigError(
+            f"config.model.attention=cudnn needs a GPU and a 16-bit config.model.dtype "
+            f"(here {backend}, {model.dtype}); use attention=auto or xla"
+        )
+    return attention
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     num_layers: int
@@ -75,14 +88,7 @@ class LlamaConfig:
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
-        attention = model.attention
-        if attention == "auto":
-            attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
-        if attention == "cudnn" and (backend != "gpu" or model.dtype == "float32"):
-            raise ConfigError(
-                f"config.model.attention=cudnn needs a GPU and a 16-bit config.model.dtype "
-                f"(here {backend}, {model.dtype}); use attention=auto or xla"
-            )
+        attention = resolve_attention(model, backend)
         return cls(
             num_layers=model.num_layers,
             d_model=model.d_model,
