@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import pathlib
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -81,6 +82,7 @@ class Checkpointer:
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
             ).data
         except Exception as e:
+            _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
         saved_policy = meta.get("offload_policy", "none")
         if saved_policy != offload_policy:
@@ -98,7 +100,8 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # Orbax raises many types for damaged files.
-            # The filter stays: reads still in flight fail after this, until the process exits.
+            # The filters stay: reads still in flight fail after this, until the process exits.
+            _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
         sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
@@ -178,6 +181,12 @@ def _everywhere(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed read, orbax abandons its other reads' coroutines unawaited; Python warns
+    of each when it collects them (often at exit), after the one-line error."""
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
 
 
 def _drop_closed_loop_callbacks(previous_hook):
