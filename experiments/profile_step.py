@@ -1,7 +1,7 @@
 """Where one train step's GPU time goes: a profiler trace of a few steps, summed per kind of
 kernel, with the top HLO ops and the JAX code each comes from.
 
-    python experiments/profile_step.py [--config configs/llama_1b.py] [--steps 3] \
+    python experiments/profile_step.py [--config configs/llama_1b.py] [--steps 3] [--warmup 3] \
         [--out experiments/results/profile_llama_1b.json] [-- --config.train.batch_size=16 ...]
 
 Writes the table, a JSON summary (`--out`), and beside it the optimized HLO (`.hlo.txt.gz`) and the
@@ -57,14 +57,36 @@ def device_events(trace: dict) -> dict[str, list[dict]]:
     return streams
 
 
+def merged(events: list[dict]) -> list[tuple[float, float]]:
+    """The union of the events' intervals, as sorted disjoint (start, stop) pairs."""
+    out: list[tuple[float, float]] = []
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(stop - start for start, stop in intervals)
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def busy_us(events: list[dict]) -> float:
     """Length of the union of the events' intervals (overlapping kernels count once)."""
-    total, end = 0.0, -1.0
-    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
+    return length(merged(events))
 
 
 def hlo_sources(hlo_text: str) -> dict[str, str]:
@@ -75,30 +97,61 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     return sources
 
 
+def communication(events: list[dict]) -> dict:
+    """One GPU's collective time and how much of it ran while compute kernels ran too."""
+    comm, compute = [], []
+    for e in events:
+        kind = kind_of(e["name"] + " " + e.get("args", {}).get("hlo_op", ""))
+        (comm if kind == "collective" else compute if kind != "copy" else []).append(e)
+    comm_us = length(merged(comm))
+    hidden_us = overlap(merged(comm), merged(compute))
+    return dict(
+        collective_us=comm_us,
+        exposed_collective_us=comm_us - hidden_us,
+        overlapped_fraction=hidden_us / comm_us if comm_us else None,
+    )
+
+
 def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
-    """Per-step milliseconds per kernel kind, stream busy time, and the top kernels."""
+    """Per-step milliseconds per kernel kind, busy time and the collectives' overlap with compute
+    on each GPU (averaged over GPUs where there are several), and the top kernels."""
     streams = device_events(trace)
     if not streams:
         raise SystemExit("the trace has no GPU events: is this a GPU run?")
-    # The kernel line: the stream with the most events that are not XLA op/module markers.
-    kernel_streams = {k: v for k, v in streams.items() if "XLA" not in k.split("/")[-1]}
-    events = [e for v in kernel_streams.values() for e in v]
-    span_us = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    # Kernel streams: not the XLA op/module marker lines.
+    per_gpu = collections.defaultdict(list)
+    for name, stream in streams.items():
+        gpu, thread = name.rsplit("/", 1)
+        if "XLA" not in thread:
+            per_gpu[gpu].extend(stream)
+    n = len(per_gpu)
     by_kind, by_name = collections.Counter(), collections.Counter()
-    for e in events:
-        label = e["name"]
-        args = e.get("args", {})
-        op = args.get("hlo_op") or args.get("name") or label
-        kind = kind_of(label + " " + op)
-        by_kind[kind] += e["dur"]
-        by_name[(kind, op, label[:80])] += e["dur"]
+    gpus = {}
+    for gpu, events in sorted(per_gpu.items()):
+        span_us = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+        busy = busy_us(events)
+        comm = communication(events)
+        gpus[gpu] = dict(
+            span_ms_per_step=span_us / 1e3 / steps,
+            busy_ms_per_step=busy / 1e3 / steps,
+            idle_fraction=1 - busy / span_us,
+            collective_ms_per_step=comm["collective_us"] / 1e3 / steps,
+            exposed_collective_ms_per_step=comm["exposed_collective_us"] / 1e3 / steps,
+            collective_overlapped_fraction=comm["overlapped_fraction"],
+        )
+        for e in events:
+            label = e["name"]
+            args = e.get("args", {})
+            op = args.get("hlo_op") or args.get("name") or label
+            kind = kind_of(label + " " + op)
+            by_kind[kind] += e["dur"] / n
+            by_name[(kind, op, label[:80])] += e["dur"] / n
     sources = hlo_sources(hlo_text)
-    busy = busy_us(events)
+    mean = {k: sum(g[k] or 0.0 for g in gpus.values()) / n for k in next(iter(gpus.values()))}
     return dict(
         steps=steps,
-        span_ms_per_step=span_us / 1e3 / steps,
-        busy_ms_per_step=busy / 1e3 / steps,
-        idle_fraction=1 - busy / span_us,
+        **mean,
+        gpus=gpus,
         streams={k: len(v) for k, v in streams.items()},
         ms_per_step_by_kind={k: v / 1e3 / steps for k, v in by_kind.most_common()},
         top=[
@@ -116,10 +169,18 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
 
 
 def print_summary(s: dict) -> None:
-    print(
-        f"\nper step: span {s['span_ms_per_step']:.1f} ms, GPU busy {s['busy_ms_per_step']:.1f} ms"
-        f" (idle {s['idle_fraction']:.1%})"
-    )
+    for gpu, g in s["gpus"].items():
+        print(
+            f"\n{gpu} per step: span {g['span_ms_per_step']:.1f} ms, busy"
+            f" {g['busy_ms_per_step']:.1f} ms (idle {g['idle_fraction']:.1%})"
+        )
+        if g["collective_overlapped_fraction"] is not None:
+            print(
+                f"  collectives {g['collective_ms_per_step']:.1f} ms, of which"
+                f" {g['collective_overlapped_fraction']:.1%} overlap compute kernels; exposed"
+                f" {g['exposed_collective_ms_per_step']:.1f} ms"
+            )
+    print("\nmean over GPUs:")
     total = sum(s["ms_per_step_by_kind"].values())
     print(f"{'kind':<22} {'ms/step':>8} {'share':>6}")
     for kind, ms in s["ms_per_step_by_kind"].items():
@@ -134,7 +195,8 @@ def print_summary(s: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
-    p.add_argument("--steps", type=int, default=3, help="traced steps (after 3 warm-up steps)")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--warmup", type=int, default=3, help="untraced steps before them")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", default=str(ROOT / "experiments/results/profile_llama_1b.json"))
     p.add_argument("overrides", nargs="*", help="config overrides, after --")
@@ -153,7 +215,7 @@ def main() -> int:
     hlo_text = train_step.as_text()
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
-    for _ in range(3):
+    for _ in range(a.warmup):
         state, metrics = train_step(state, exp.global_batch(next(batches)))
     jax.block_until_ready(state)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="angel_profile_"))
