@@ -38,8 +38,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Layers per stage: auto (cost model: the embedding on the first stage, the LM head and
     # loss on the last) | even | counts per chunk, e.g. "12,10".
     c.pipeline.balance = "auto"
-    # Remat inside a stage's backward: auto (the fastest whose fullest stage fits the device
-    # memory) | none | full | dots | dots_no_batch (config.model.remat is then unused).
+    # The layers' remat policy (config.model.remat is then unused): auto (the fastest that fits
+    # the device memory) | dots_attention | dots_no_batch | full. What it saves is kept for
+    # every microbatch in flight, from its forward to its backward.
     c.pipeline.remat = "auto"
 
     c.model = ml_collections.ConfigDict()
@@ -388,7 +389,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.train.batch_size={t.batch_size} is not divisible by "
             f"config.pipeline.microbatches={pc.microbatches}; change one so that it divides"
         )
-    stage_remats = ("auto", "none", "full", "dots", "dots_no_batch")
+    stage_remats = ("auto", "dots_attention", "dots_no_batch", "full")
     if pc.remat not in stage_remats:
         raise ConfigError(
             f"config.pipeline.remat={pc.remat!r}: use one of {', '.join(stage_remats)}"

@@ -50,7 +50,7 @@ def runs() -> list[tuple[str, str, list[str]]]:
     ]
     for m in (2, 4, 16):  # m = 8 is the throughput run.
         out.append(("bubble", f"pipeline=2 1f1b m={m}", pipeline_overrides(microbatches=m)))
-    for balance in ("even", "12,10", "10,12"):
+    for balance in ("even", "13,9", "10,12"):  # auto is the throughput run's (12,10).
         out.append(("balance", f"pipeline=2 1f1b {balance}", pipeline_overrides(balance=balance)))
     return out
 

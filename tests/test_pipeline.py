@@ -1,9 +1,11 @@
 """Pipeline parallelism: schedule tables, stage layout and balance, and every schedule's loss
 and grads against the model without a pipeline (float32, 8 emulated devices)."""
 
+import functools
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,14 +13,21 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.models.llama import LlamaConfig
+from angel_jax.models.llama import LlamaConfig, decoder_layer
 from angel_jax.parallel.pipeline import (
     IDLE,
+    Residuals,
     StageLayout,
     make_schedule,
     theoretical_bubble,
 )
-from angel_jax.parallel.stage_plan import balance_layers, make_pipeline_plan
+from angel_jax.parallel.stage_plan import (
+    SAVED_WIDTHS,
+    STAGE_REMATS,
+    balance_layers,
+    effective_remat,
+    make_pipeline_plan,
+)
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -104,17 +113,18 @@ def llama_1b_plan(balance, stages):
 def test_llama_1b_balanced_plan_beats_the_even_split():
     even, auto = llama_1b_plan("even", 4), llama_1b_plan("auto", 4)
     assert even.layout.layers_per_chunk == (6, 6, 5, 5)
-    # The last stage skips its F (its B runs the head and the loss), so it takes fewer layers
-    # only as far as the head makes up for them.
+    # The last stage also runs the head and the loss (and its B recomputes the head), so it
+    # takes fewer layers.
     assert auto.layout.layers_per_chunk == (6, 6, 6, 4)
     assert auto.step_flops() < 0.97 * even.step_flops()
     lines = auto.table().splitlines()
     assert lines[1].split()[:3] == ["0", "+embed", "6"]
     assert lines[4].split()[:3] == ["3", "+head", "4"]
     assert "bubble 0.273" in lines[5]  # (p - 1) / (m + p - 1) with p = 4, m = 8.
-    # On two stages the even split is already the best; an explicit split is slower.
-    assert llama_1b_plan("auto", 2).layout.layers_per_chunk == (11, 11)
-    assert llama_1b_plan("12,10", 2).step_flops() > llama_1b_plan("even", 2).step_flops()
+    # On two stages the head is worth about two layers.
+    assert llama_1b_plan("auto", 2).layout.layers_per_chunk == (12, 10)
+    assert llama_1b_plan("auto", 2).step_flops() < llama_1b_plan("even", 2).step_flops()
+    assert llama_1b_plan("10,12", 2).step_flops() > llama_1b_plan("even", 2).step_flops()
 
 
 def loss_and_grads(config, devices):
@@ -136,7 +146,9 @@ def reference():
 
 
 CASES = {
-    "p2_gpipe": dict(mesh__pipeline=2, mesh__data=4, pipeline__schedule="gpipe"),
+    "p2_gpipe_remat_full": dict(
+        mesh__pipeline=2, mesh__data=4, pipeline__schedule="gpipe", pipeline__remat="full"
+    ),
     "p2_1f1b_data2_tensor2_zero3": dict(
         zero_stage=3, mesh__pipeline=2, mesh__data=2, mesh__tensor=2, pipeline__schedule="1f1b"
     ),
@@ -150,8 +162,12 @@ CASES = {
     "p4_1f1b_uneven_data2": dict(
         mesh__pipeline=4, mesh__data=2, pipeline__schedule="1f1b", pipeline__microbatches=8
     ),
-    "p4_gpipe_uneven_tensor2": dict(
-        mesh__pipeline=4, mesh__data=1, mesh__tensor=2, pipeline__schedule="gpipe"
+    "p4_gpipe_uneven_tensor2_dots_no_batch": dict(
+        mesh__pipeline=4,
+        mesh__data=1,
+        mesh__tensor=2,
+        pipeline__schedule="gpipe",
+        pipeline__remat="dots_no_batch",
     ),
     "p2_1f1b_sequence2_data2": dict(
         mesh__pipeline=2, mesh__data=2, mesh__sequence=2, pipeline__schedule="1f1b"
@@ -173,6 +189,31 @@ def test_pipeline_equals_the_model_without_one(case, reference):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), grads, ref_grads
     )
+
+
+@pytest.mark.parametrize("remat", STAGE_REMATS)
+def test_kept_residuals_are_activations_only(remat):
+    """What a stage keeps from a microbatch's F to its B: activations (batch, length, ...),
+    never a copy of a weight (the weights are looked up again in B), for every policy."""
+    config = small_config(model__dtype="bfloat16", model__remat=remat)
+    cfg = LlamaConfig.from_config(config.model, "cpu")
+    exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    params = jax.tree.map(lambda x: x[0], exp.init_state().params["layers"])
+    b, t = 2, config.train.seq_len
+    h = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
+    residuals = Residuals()
+
+    def forward(params, h):
+        _, vjp = jax.vjp(functools.partial(decoder_layer, cfg), params, h)
+        return residuals.save(vjp, params)
+
+    saved = jax.eval_shape(forward, params, h)
+    assert saved and all(x.shape[:2] == (b, t) for x in saved), [x.shape for x in saved]
+    # The planner's memory model counts the same bytes (dots_attention is dots_no_batch here).
+    units = SAVED_WIDTHS[effective_remat(cfg, remat)]
+    widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    assert sum(x.size for x in saved) == b * t * np.dot(units, (*widths, cfg.ffn_dim))
+    assert residuals.sources.count(-1) == len(saved)
 
 
 def train(config, devices, steps=2):
@@ -237,6 +278,7 @@ def test_pipelined_training_steps_equal_the_model_without_one():
         (dict(mesh__pipeline=2, mesh__context=2), ["config.mesh.context=2", "ring attention"]),
         (dict(mesh__pipeline=2, pipeline__schedule="zb"), ["schedule='zb'", "1f1b"]),
         (dict(mesh__pipeline=2, pipeline__balance="3,2"), ["balance='3,2'", "num_layers=4"]),
+        (dict(mesh__pipeline=2, pipeline__remat="none"), ["remat='none'", "dots_no_batch"]),
     ],
 )
 def test_bad_pipeline_settings_name_the_setting(overrides, names):

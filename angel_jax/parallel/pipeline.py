@@ -16,15 +16,17 @@ both branches on every stage. The other mesh axes stay automatic inside the regi
 
 Execution. A schedule is a table: at each tick every stage runs at most one forward (F) and
 then at most one backward (B) of some (microbatch, chunk). One `lax.scan` runs the ticks. F
-runs its chunk on the activation the previous stage sent at the last tick, keeps that input
-in a slot buffer and sends its output on (`ppermute`); B runs the chunk again from the kept
-input under `jax.vjp` (recomputation at stage boundaries, as in the GPipe paper), adds the
-weight grads to accumulators and sends the input's grad back. The last chunk's F only keeps
-its input, as its B computes the head and the loss anyway. Each tick's F phase and B phase end
-in a `ppermute`, so a tick lasts as long as the slowest F plus the slowest B.
+runs its chunk on the activation the previous stage sent at the last tick (the last chunk also
+runs the head and the loss) under `jax.vjp`, layer by layer, keeps the residuals that each
+layer's remat policy saves in a slot buffer, and sends its output on (`ppermute`). B runs the
+chunk's backward from those residuals, adds the weight grads to accumulators and sends the
+input's grad back. No forward runs twice, except what the remat policy recomputes and the
+head (its logits are not kept). The weights are residuals too; they are not stored per slot
+but looked up again in B (`Residuals`). Each tick's F phase and B phase end in a `ppermute`,
+so a tick lasts as long as the slowest F plus the slowest B.
 
 Schedules differ in when B runs: GPipe and circular run every F, then every B in reverse, so
-a stage keeps the inputs of all its microbatches (m x v); 1F1B runs B of a microbatch as soon
+a stage keeps the residuals of all its microbatches (m x v); 1F1B runs B of a microbatch as soon
 as its grad arrives, so stage s keeps at most 2(p - s) - 1 (one F and one B share a tick, so
 the round trip to the last stage and back takes twice as many ticks as classic 1F1B's
 alternation, which keeps p - s; the bubble is the same). Bubble: (p-1)/(v m + p-1).
@@ -174,6 +176,31 @@ class StageLayout:
         return stored[slots[np.argsort(self.slot_layer[slots])]]
 
 
+class Residuals:
+    """Splits the vjp functions of one traced function into the residuals it computed, kept in
+    slot buffers from a microbatch's F to its B, and those that are its weights (found by
+    identity), which B passes in again rather than every kept microbatch holding a copy."""
+
+    def __init__(self):
+        self.treedef = None
+        self.sources = None  # Per residual: the index of the weight it is, or -1 (saved).
+
+    def save(self, vjp: Callable, weights) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(vjp)
+        index = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
+        sources = tuple(index.get(id(leaf), -1) for leaf in leaves)
+        if self.sources is None:
+            self.treedef, self.sources = treedef, sources
+        elif sources != self.sources:
+            raise AssertionError(f"residuals changed between traces: {sources} {self.sources}")
+        return [leaf for leaf, source in zip(leaves, sources, strict=True) if source < 0]
+
+    def restore(self, saved: list[jax.Array], weights) -> Callable:
+        weights, saved = jax.tree.leaves(weights), iter(saved)
+        leaves = [weights[i] if i >= 0 else next(saved) for i in self.sources]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageFunctions:
     """The model cut for the pipeline (all traced inside the stage region):
@@ -208,6 +235,7 @@ def pipeline_grads(
     h_shape = jax.eval_shape(fns.embed, shared, tokens_MBT[0])
     d, dtype = h_shape.shape[-1], h_shape.dtype
     _, metrics_shape = jax.eval_shape(fns.head_loss, shared, h_shape, targets_MBT[0])
+    values_shape = {"objective": jax.ShapeDtypeStruct((), jnp.float32), **metrics_shape}
     zeros = lambda tree, dtype=None: jax.tree.map(
         lambda x: jnp.zeros(x.shape, dtype or x.dtype), tree
     )
@@ -234,15 +262,21 @@ def pipeline_grads(
         jax.tree.map(pin, shared_grads, shared_grad_specs),
     )
 
-    kept_spec = P(None, *hidden_spec)
+    # Saved residuals: found on the first trace, reused by every later one.
+    layer_residuals, head_residuals = Residuals(), Residuals()
+    last_chunk_head = jax.checkpoint(fns.head_loss, policy=jax.checkpoint_policies.nothing_saveable)
 
-    def run_chunk(chunk_layers, mask, h):
-        def body(h, xs):
-            layer_params, present = xs
-            layer = lambda params, h: pin(fns.layer(params, h))
-            return jax.lax.cond(present, layer, lambda _, h: pin(h), layer_params, h), None
+    def layer_forward(params, h):
+        h, vjp = jax.vjp(lambda params, h: pin(fns.layer(params, h)), params, pin(h))
+        return h, layer_residuals.save(vjp, params)
 
-        return jax.lax.scan(body, h, (chunk_layers, mask))[0]
+    def head_forward(shared, h, targets):
+        # Under `nothing_saveable`, the residuals are the head's input and the targets: a B
+        # recomputes the logits rather than every kept microbatch holding them (B x T x V).
+        objective, vjp, metrics = jax.vjp(
+            lambda shared, h: last_chunk_head(shared, h, targets), shared, h, has_aux=True
+        )
+        return objective, metrics, head_residuals.save(vjp, shared)
 
     def stage(layers, mask, shared, tokens, targets, forward_table, backward_table):
         s = jax.lax.axis_index("pipeline")
@@ -251,71 +285,109 @@ def pipeline_grads(
         pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
         is_first = lambda chunk: (s == 0) & (chunk == 0)
         is_last = lambda chunk: (s == p - 1) & (chunk == v - 1)
+        h_zeros = lambda: pin(jnp.zeros((b, t, d), dtype))
+        layer_saved = jax.eval_shape(layer_forward, pick(pick(layers, 0), 0), h_shape)[1]
+        head_saved = jax.eval_shape(head_forward, shared, h_shape, targets[0])[2]
 
-        def chunk_forward(chunk_layers, shared, x, chunk, mb):
-            """The chunk's output and (on the last chunk) the objective and metrics."""
+        def chunk_forward(chunk, mb, x):
+            """The chunk's output, the residuals its B needs, objective and metrics (on the
+            last chunk, else zero)."""
             h = jax.lax.cond(
                 is_first(chunk), lambda: pin(fns.embed(shared, tokens[mb])), lambda: pin(x)
             )
-            h = pin(run_chunk(chunk_layers, mask[chunk], pin(h)))
+
+            def body(h, xs):
+                params, present = xs
+                skip = lambda params, h: (h, zeros(layer_saved))
+                return jax.lax.cond(present, layer_forward, skip, params, h)
+
+            h, saved = jax.lax.scan(body, h, (pick(layers, chunk), mask[chunk]))
+            objective, metrics, saved_head = jax.lax.cond(
+                is_last(chunk),
+                lambda: head_forward(shared, h, targets[mb]),
+                lambda: (jnp.zeros((), jnp.float32), zeros(metrics_shape), zeros(head_saved)),
+            )
+            return h, (saved, saved_head), {"objective": objective, **metrics}
+
+        def chunk_backward(chunk, mb, saved, g_out):
+            """(grads of the chunk's layers, of `shared`, of its input) from its residuals."""
+            saved_layers, saved_head = saved
 
             def head():
-                return fns.head_loss(shared, h, targets[mb])
+                vjp = head_residuals.restore(saved_head, shared)
+                d_shared, d_h = vjp(jnp.full((), 1.0 / m, jnp.float32))  # Mean over m.
+                return d_shared, pin(d_h.astype(dtype))
 
-            def no_head():
-                return jnp.zeros((), jnp.float32), zeros(metrics_shape)
+            d_shared, d_h = jax.lax.cond(is_last(chunk), head, lambda: (zeros(shared), pin(g_out)))
 
-            objective, metrics = jax.lax.cond(is_last(chunk), head, no_head)
-            return (h, objective), metrics
+            def body(d_h, xs):
+                params, saved, present = xs
+
+                def layer_backward(params, saved, d_h):
+                    d_params, d_h = layer_residuals.restore(saved, params)(d_h)
+                    return pin(d_h), d_params
+
+                skip = lambda params, saved, d_h: (d_h, zeros(params))
+                return jax.lax.cond(present, layer_backward, skip, params, saved, d_h)
+
+            xs = (pick(layers, chunk), saved_layers, mask[chunk])
+            d_h, d_layers = jax.lax.scan(body, d_h, xs, reverse=True)
+
+            def embed():
+                _, vjp = jax.vjp(lambda shared: fns.embed(shared, tokens[mb]), shared)
+                return jax.tree.map(jnp.add, d_shared, vjp(d_h)[0]), h_zeros()
+
+            d_shared, d_x = jax.lax.cond(is_first(chunk), embed, lambda: (d_shared, d_h))
+            return d_layers, d_shared, d_x
 
         def tick(carry, rows):
             recv_f, recv_b, kept, grads, shared_grads, sums = carry
             (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
 
-            # F: keep the input, run the chunk (not the last: its B does), send the output on.
+            # F: run the chunk, keep its residuals in the slot, send the output on.
             active = mb != IDLE
-            slot = jnp.maximum(slot, 0)
-            kept = pin(kept.at[slot].set(jnp.where(active, recv_f, kept[slot])), kept_spec)
-            out = jax.lax.cond(
-                active & ~is_last(chunk),
-                lambda: chunk_forward(pick(layers, chunk), shared, recv_f, chunk, mb)[0][0],
-                lambda: pin(jnp.zeros_like(recv_f)),
+            idle = lambda: (h_zeros(), zeros(kept_one), zeros(values_shape))
+            out, saved, values = jax.lax.cond(
+                active, lambda: chunk_forward(chunk, mb, recv_f), idle
             )
+            slot = jnp.maximum(slot, 0)
+            kept = jax.tree.map(
+                lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
+            )
+            sums = jax.tree.map(jnp.add, sums, values)
             recv_f = pin(jax.lax.ppermute(out, "pipeline", [(i, (i + 1) % p) for i in range(p)]))
 
-            # B: recompute the chunk from its kept input, add its grads, send the input's back.
-            def backward(grads, shared_grads, sums):
-                chunk_fn = functools.partial(chunk_forward, chunk=b_chunk, mb=b_mb)
-                (_, objective), vjp, metrics = jax.vjp(
-                    chunk_fn, pick(layers, b_chunk), shared, kept[b_slot], has_aux=True
-                )
-                # The last chunk's output only feeds its loss; the mean over microbatches
-                # gives each microbatch's objective weight 1/m.
-                g_out = jnp.where(is_last(b_chunk), jnp.zeros_like(recv_b), recv_b)
-                d_layers, d_shared, d_x = vjp((g_out, jnp.full((), 1.0 / m, jnp.float32)))
+            # B: the chunk's backward from its kept residuals; add its grads, send the input's.
+            def backward(grads, shared_grads):
+                saved = pick(kept, b_slot)
+                d_layers, d_shared, d_x = chunk_backward(b_chunk, b_mb, saved, recv_b)
                 grads = jax.tree.map(
                     lambda acc, g: acc.at[b_chunk].add(g.astype(jnp.float32)), grads, d_layers
                 )
                 shared_grads = jax.tree.map(
                     lambda acc, g: acc + g.astype(jnp.float32), shared_grads, d_shared
                 )
-                sums = jax.tree.map(jnp.add, sums, {"objective": objective, **metrics})
-                return pin(d_x.astype(recv_b.dtype)), *pin_grads(grads, shared_grads), sums
+                return pin(d_x.astype(recv_b.dtype)), *pin_grads(grads, shared_grads)
 
-            def idle(grads, shared_grads, sums):
-                return pin(jnp.zeros_like(recv_b)), *pin_grads(grads, shared_grads), sums
+            def no_backward(grads, shared_grads):
+                return h_zeros(), *pin_grads(grads, shared_grads)
 
-            d_x, grads, shared_grads, sums = jax.lax.cond(
-                b_mb != IDLE, backward, idle, grads, shared_grads, sums
+            d_x, grads, shared_grads = jax.lax.cond(
+                b_mb != IDLE, backward, no_backward, grads, shared_grads
             )
             recv_b = pin(jax.lax.ppermute(d_x, "pipeline", [(i, (i - 1) % p) for i in range(p)]))
             return (recv_f, recv_b, kept, grads, shared_grads, sums), None
 
-        zeros_h = pin(jnp.zeros((b, t, d), dtype))
-        kept = pin(jnp.zeros((schedule.slots, b, t, d), dtype), kept_spec)
-        sums = zeros({"objective": jax.ShapeDtypeStruct((), jnp.float32), **metrics_shape})
+        kept_one = (
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((mask.shape[1], *x.shape), x.dtype), layer_saved
+            ),
+            head_saved,
+        )
+        kept = jax.tree.map(lambda x: jnp.zeros((schedule.slots, *x.shape), x.dtype), kept_one)
+        sums = zeros(values_shape)
         grads = pin_grads(zeros(layers, jnp.float32), zeros(shared, jnp.float32))
-        carry = (zeros_h, zeros_h, kept, *grads, sums)
+        carry = (h_zeros(), h_zeros(), kept, *grads, sums)
         carry, _ = jax.lax.scan(tick, carry, (forward_table, backward_table))
         _, _, _, grads, shared_grads, sums = carry
         # Only the first stage has embedding grads, only the last head grads and metrics.

@@ -5,19 +5,21 @@ Costs are estimated from the model config, per microbatch and per device (the ot
 axes split each chunk's work evenly). A layer's forward costs 2 x its matmul params + 2 T N H
 (causal attention) FLOPs per token; the first chunk adds the embedding (a lookup: no FLOPs, its
 grad a scatter), the last the final norm, LM head and loss (2 D V + 5 V per token). In the
-pipeline (parallel/pipeline.py) a chunk's F costs its forward (the last chunk's F costs
-nothing: its B computes it) and its B a forward again, the backward (2 forwards) and what the
-remat policy recomputes. A step then lasts, tick by tick, as long as the costliest F plus the
-costliest B (`critical_path`). `balance=auto` splits the layers so that this is shortest;
-`even` gives every chunk the same count (the remainder to the first ones); "12,10" gives
-the counts of chunk 0, 1, ... (chunk k on stage k mod p).
+pipeline (parallel/pipeline.py) a chunk's F costs its forward and its B the backward (2
+forwards) plus what the remat policy recomputes; the head, which keeps no logits, is
+recomputed in B. A step then lasts, tick by tick, as long as the costliest F plus the costliest
+B (`critical_path`). `balance=auto` splits the layers so that this is shortest; `even` gives
+every chunk the same count (the remainder to the first ones); "12,10" gives the counts of chunk
+0, 1, ... (chunk k on stage k mod p).
 
 Memory per device: the state (fp32 masters, grads, the pipeline's fp32 grad accumulators and
-AdamW moments, with ZeRO's `data` split), every stage holding the embedding and head; the kept
-chunk inputs (the schedule's live slots); and one microbatch's saved activations in a B. One
-program runs on every stage, so each allocates what the fullest stage needs: padded layer slots
-and the same remat policy everywhere. `remat=auto` picks the fastest policy whose fullest
-stage fits the device memory (config.offload.device_gib, else what the device reports).
+AdamW moments, with ZeRO's `data` split), every stage holding the embedding and head; the
+residuals of the microbatches in flight (the schedule's slots, each holding a chunk's layers'
+saved activations and the head's input); and the last chunk's logits and their grad. One
+program runs on every stage, so each allocates what the fullest stage needs: padded layer
+slots, the same remat policy, buffers and branch temporaries everywhere. `remat=auto` picks the
+fastest policy that fits the device memory (config.offload.device_gib, else what the device
+reports).
 """
 
 import dataclasses
@@ -32,17 +34,17 @@ from angel_jax.metrics import peak_tflops
 from angel_jax.models.llama import LlamaConfig
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
 
+# The layer policies a pipeline offers, fastest first. Each keeps activations only (the
+# residuals of every microbatch in flight are kept per slot; a policy that saved a cast of a
+# weight would keep a copy of it per slot). `auto` tries them in this order.
+STAGE_REMATS = ("dots_attention", "dots_no_batch", "full")
 # Extra forward work a policy recomputes in a backward, as a share of the layer's attention
-# (batch dims) and of its weight matmuls; and the bytes per token it keeps for the backward in
-# units of (model dim, attention width, KV width, FFN width), flash attention assumed.
-RECOMPUTE = {"none": (0, 0), "dots": (1, 0), "dots_no_batch": (1, 0), "full": (1, 1)}
-SAVED_WIDTHS = {
-    "none": (6, 2, 2, 3),
-    "dots": (3, 2, 2, 2),
-    "dots_no_batch": (3, 2, 2, 2),
-    "full": (1, 0, 0, 0),
-}
-AUTO_REMAT_ORDER = ("none", "dots_no_batch", "full")  # Fastest first.
+# and of its weight matmuls; and the bytes per token it keeps for the backward in units of
+# (model dim, attention width, KV width, FFN width): the layer's input, then Q, K, V, the
+# attention output's projection and the gate and up projections for the dots policies, and
+# cuDNN's attention output for dots_attention (its statistics are a few bytes per head).
+RECOMPUTE = {"dots_attention": (0, 0), "dots_no_batch": (1, 0), "full": (1, 1)}
+SAVED_WIDTHS = {"dots_attention": (2, 2, 2, 2), "dots_no_batch": (2, 1, 2, 2), "full": (1, 0, 0, 0)}
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
 
@@ -92,7 +94,7 @@ class PipelinePlan:
         lines.append(
             f"schedule {sched.name}: {p} stages x {v} virtual, {sched.microbatches} "
             f"microbatches, {sched.ticks} ticks, bubble {sched.bubble():.3f}, "
-            f"{sched.slots} kept inputs per stage, remat {self.remat}, step "
+            f"{sched.slots} microbatches kept per stage, remat {self.remat}, step "
             f"{self._ms(self.step_flops())} ms predicted (at {ASSUMED_MFU:.0%} of peak)"
         )
         return "\n".join(line.rstrip() for line in lines)
@@ -103,8 +105,13 @@ def layer_forward_flops(cfg: LlamaConfig, seq_len: int, remat: str) -> tuple[flo
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     matmul = 2 * (attn + 3 * cfg.d_model * cfg.ffn_dim)
     attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
-    share_attention, share_matmul = RECOMPUTE[remat]
+    share_attention, share_matmul = RECOMPUTE[effective_remat(cfg, remat)]
     return matmul + attention, share_attention * attention + share_matmul * matmul
+
+
+def effective_remat(cfg: LlamaConfig, remat: str) -> str:
+    """dots_attention saves cuDNN's attention; on XLA's attention it is dots_no_batch."""
+    return "dots_no_batch" if remat == "dots_attention" and cfg.attention != "cudnn" else remat
 
 
 def critical_path(schedule: Schedule, forward: np.ndarray, backward: np.ndarray) -> float:
@@ -216,7 +223,7 @@ def make_pipeline_plan(
     others = math.prod(n for a, n in mesh_shape.items() if a != "pipeline")
     tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
     budget = _device_budget(config)
-    options = AUTO_REMAT_ORDER if pc.remat == "auto" else (pc.remat,)
+    options = STAGE_REMATS if pc.remat == "auto" else (pc.remat,)
     plans = [_plan(config, cfg, mesh_shape, schedule, tokens, r) for r in options]
     fitting = [plan for plan in plans if plan.memory_bytes.max() <= budget]
     return fitting[0] if fitting else plans[-1]
@@ -229,13 +236,13 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
     head = tokens * (2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size)
 
     def chunk_flops(counts):
-        """(F, B) FLOPs per chunk and microbatch: a layer's F is a forward, its B a forward
-        again, the backward (2 forwards) and the remat's recompute; the last chunk skips F and
-        its B adds the head's forward and backward."""
+        """(F, B) FLOPs per chunk and microbatch: a layer's F is a forward, its B the
+        backward (2 forwards) and the remat's recompute; the last chunk's F adds the head's
+        forward, its B the head's forward again and its backward."""
         n = np.asarray(counts, np.float64)
         forward = n * layer
-        forward[-1] = 0.0
-        backward = n * (3 * layer + recompute)
+        forward[-1] += head
+        backward = n * (2 * layer + recompute)
         backward[-1] += 3 * head
         return forward, backward
 
@@ -269,16 +276,14 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     state = (layout.slots * v * layer_params + shared) * per_param / tp
     dtype_bytes = np.dtype(cfg.dtype).itemsize
-    kept = schedule.slots * tokens * cfg.d_model * dtype_bytes
     widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     widths += (cfg.ffn_dim / tp,)
-    saved = sum(u * w for u, w in zip(SAVED_WIDTHS[remat], widths, strict=True)) * dtype_bytes
-    chunks = np.asarray(layout.layers_per_chunk).reshape(v, p)
-    activations = chunks.max(axis=0) * tokens * saved
-    logits = tokens * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, last stage.
-    memory = state + kept + activations
-    memory[-1] += logits
-    return memory
+    units = SAVED_WIDTHS[effective_remat(cfg, remat)]
+    saved = sum(u * w for u, w in zip(units, widths, strict=True))
+    # Per slot: a chunk's layer slots' residuals and the head's input.
+    residuals = schedule.slots * tokens * (layout.slots * saved + cfg.d_model) * dtype_bytes
+    logits = tokens * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, in a B.
+    return np.full(p, state + residuals + logits)
 
 
 def _device_budget(config) -> float:
