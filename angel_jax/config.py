@@ -84,6 +84,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.moe_ffn_dim = 0  # Each expert's hidden size; 0: ffn_dim.
     c.model.router = "topk"  # topk (capacity, drops) | expert_choice | dropless.
     c.model.capacity_factor = 1.25  # Slots per expert over the even share of assignments.
+    # Capacity routers move the expert buffers in this many parts, so that one part's
+    # all-to-all can overlap another's expert compute.
+    c.model.moe_dispatch_chunks = 1
     c.model.shared_experts = 0  # Dense experts every token goes through (DeepSeek style).
     c.model.router_z_loss = 1e-3  # Weight of the router z-loss in the training loss.
     c.model.load_balance_loss = 1e-2  # Weight of the load-balancing loss.
@@ -371,6 +374,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.model.experts_per_token={m.experts_per_token}: must be between 1 and "
             f"config.model.num_experts={m.num_experts}"
+        )
+    if m.moe_dispatch_chunks < 1:
+        raise ConfigError(
+            f"config.model.moe_dispatch_chunks={m.moe_dispatch_chunks}: use 1 or more"
         )
     pc = config.pipeline
     if pc.schedule not in ("gpipe", "1f1b", "circular"):

@@ -1,7 +1,7 @@
 """Mixture-of-experts throughput: `moe_1b` per router beside the dense model of the same active
 parameters, on one GPU or with expert parallel over several.
 
-    python experiments/moe_throughput.py [--expert 1] [--out FILE]
+    python experiments/moe_throughput.py [--expert 1] [--dispatch-chunks 1,4] [--out FILE]
 
 MFU counts active parameters only (the experts a token goes through, shared ones included),
 the convention of MaxText's MoE figures. The dense twin is `llama_1b` with its MLP as wide as a
@@ -22,6 +22,11 @@ def main() -> int:
     p.add_argument("--expert", type=int, default=1)
     p.add_argument("--batch-per-device", type=int, default=8)
     p.add_argument("--routers", default="topk,dropless,expert_choice")
+    p.add_argument(
+        "--dispatch-chunks",
+        default="1",
+        help="comma-separated config.model.moe_dispatch_chunks to run the capacity routers with",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
     a = p.parse_args()
@@ -31,19 +36,23 @@ def main() -> int:
     moe = load_config(str(ROOT / "configs/moe_1b.py"), []).model
     active_ffn = (moe.experts_per_token + moe.shared_experts) * moe.moe_ffn_dim
     batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}"]
-    runs = [
-        (
-            f"moe_1b {router} expert={a.expert}",
-            "configs/moe_1b.py",
-            [
-                *batch,
-                f"--config.model.router={router}",
-                f"--config.mesh.expert={a.expert}",
-                "--config.mesh.data=1",
-            ],
-        )
-        for router in a.routers.split(",")
-    ]
+    runs = []
+    for router in a.routers.split(","):
+        for chunks in a.dispatch_chunks.split(",") if router != "dropless" else ["1"]:
+            runs.append(
+                (
+                    f"moe_1b {router} expert={a.expert}"
+                    + (f" chunks={chunks}" if chunks != "1" else ""),
+                    "configs/moe_1b.py",
+                    [
+                        *batch,
+                        f"--config.model.router={router}",
+                        f"--config.model.moe_dispatch_chunks={chunks}",
+                        f"--config.mesh.expert={a.expert}",
+                        "--config.mesh.data=1",
+                    ],
+                )
+            )
     runs.append(
         (
             f"dense twin (ffn {active_ffn}) data={a.expert}",

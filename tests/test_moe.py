@@ -1,5 +1,8 @@
 """Mixture of experts: routers' bookkeeping, and expert parallel equal to one device."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +28,10 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-def layer(router, k=2, factor=1.25):
-    return MoE(8, k, 32, router=router, capacity_factor=factor, dtype=jnp.float32)
+def layer(router, k=2, factor=1.25, chunks=1):
+    return MoE(
+        8, k, 32, router=router, capacity_factor=factor, dtype=jnp.float32, dispatch_chunks=chunks
+    )
 
 
 def inputs(batch=8, length=16, d=16, seed=0):
@@ -88,12 +93,20 @@ RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": 
     "router, k", [("topk", 1), ("topk", 2), ("expert_choice", 2), ("dropless", 2)]
 )
 @pytest.mark.parametrize(
-    "mesh", [dict(expert=8), dict(expert=4, data=2), dict(expert=2, tensor=2, data=2)]
+    "mesh, chunks",
+    [
+        (dict(expert=8), 1),
+        (dict(expert=4, data=2), 3),
+        (dict(expert=2, tensor=2, data=2), 1),
+        (dict(expert=2, tensor=4), 2),
+    ],
 )
-def test_expert_parallel_equals_one_device(router, k, mesh):
+def test_expert_parallel_equals_one_device(router, k, mesh, chunks):
+    """Also with the buffers moved in chunks (padded: 3 does not divide the capacity) and with
+    each tensor rank moving its share of them (expert-sequence parallel)."""
     mesh = mesh_of(**mesh)
     x = inputs()
-    moe = layer(router, k=k, factor=1.0)  # Some drops under topk.
+    moe = layer(router, k=k, factor=1.0, chunks=chunks)  # Some drops under topk.
     params = moe.init(jax.random.key(0), x)
 
     def loss(params, x):
@@ -115,6 +128,41 @@ def test_expert_parallel_equals_one_device(router, k, mesh):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, ref_grads
     )
+
+
+def all_to_all_sizes(chunks):
+    """Elements each all-to-all of a forward and backward moves per device, expert=2 x
+    tensor=4."""
+    mesh = mesh_of(expert=2, tensor=4)
+    x = inputs()
+    moe = layer("topk", k=2, factor=2.0, chunks=chunks)
+    params = moe.init(jax.random.key(0), x)
+    placed = jax.device_put(
+        params, jax.tree.map(lambda s: NamedSharding(mesh, s), nn_specs(params, RULES))
+    )
+    x_placed = jax.device_put(x, NamedSharding(mesh, P(RULES["batch"])))
+    grad = jax.grad(lambda params, x: jnp.sum(jnp.sin(moe.apply(params, x)[0])))
+    with sharding.use_rules(mesh, RULES):
+        hlo = jax.jit(grad).lower(placed, x_placed).compile().as_text()
+    moved = []
+    for line in hlo.splitlines():
+        if " all-to-all(" in line:
+            result = line.split(" = ", 1)[1].split(" all-to-all(")[0]
+            shapes = re.findall(r"\[([\d,]+)\]", result)
+            moved.append(sum(math.prod(int(n) for n in dims.split(",")) for dims in shapes))
+    return moved
+
+
+def test_expert_sequence_parallel_and_chunks_split_the_all_to_alls():
+    """With tensor=4 each all-to-all carries a quarter of the expert buffers (each tensor rank
+    sends only its share of the slots, none sends what another one does); in 2 chunks, twice
+    as many all-to-alls carry half as much each."""
+    batch, length, d = inputs().shape
+    slots = capacity(length, 8, 2, 2.0)  # Per expert and sequence: 8.
+    share = batch // 2 * 8 * slots // 4 * d  # Local rows x experts x slots / tensor x d.
+    one, two = all_to_all_sizes(1), all_to_all_sizes(2)
+    assert len(one) >= 2 and set(one) == {share}, one
+    assert len(two) == 2 * len(one) and set(two) == {share // 2}, two
 
 
 def nn_specs(params, rules):
@@ -156,7 +204,7 @@ def test_training_with_experts_split_over_devices_equals_one_expert_rank(router)
 
 
 def test_expert_axis_errors_name_the_settings():
-    from angel_jax.config import ConfigError
+    from angel_jax.config import ConfigError, validate
     from angel_jax.mesh import make_mesh
     from angel_jax.train import build
     from tests.test_train_parity import small_config
@@ -167,3 +215,5 @@ def test_expert_axis_errors_name_the_settings():
     config = small_config(mesh__data=2, mesh__expert=4, model__num_experts=6)
     with pytest.raises(ConfigError, match="num_experts=6 is not divisible by config.mesh.expert"):
         build(config, make_mesh(config.mesh))
+    with pytest.raises(ConfigError, match="moe_dispatch_chunks=0: use 1 or more"):
+        validate(small_config(model__num_experts=8, model__moe_dispatch_chunks=0))

@@ -13,7 +13,10 @@ Expert parallel: the experts' weights are split over `expert`, and so are the to
 batch axis spans `data` and `expert`). Capacity routers move each group's (expert, slot) buffers
 to the experts' ranks with one all-to-all and back with another; dropless gathers the tokens
 of the `expert` group, applies the local experts, and reduce-scatters the result (no token has
-a fixed slot to send). Tensor parallel splits each expert's hidden dimension over `tensor`.
+a fixed slot to send). Tensor parallel splits each expert's hidden dimension over `tensor`;
+with capacity routers each tensor rank then moves only its share of the slots
+(expert-sequence parallel), and the buffers can move in chunks that overlap the experts'
+compute (`expert_parallel`).
 
 Losses (returned as metrics and added to the training loss by their weights): the router
 z-loss, mean(logsumexp(logits)^2), which keeps bf16 router logits small (ST-MoE), and the
@@ -135,6 +138,7 @@ class MoE(nn.Module):
     router: str = "topk"
     capacity_factor: float = 1.25
     dtype: jnp.dtype = jnp.bfloat16
+    dispatch_chunks: int = 1  # Parts of the slot buffers moved one after another.
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -156,6 +160,7 @@ class MoE(nn.Module):
             (cast(gate), cast(up), cast(down)),
             self.experts_per_token,
             self.capacity_factor,
+            self.dispatch_chunks,
         )
         z, balance = router_losses(logits, load)
         return y.astype(x_BTD.dtype), dict(
@@ -163,50 +168,85 @@ class MoE(nn.Module):
         )
 
 
-def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor):
+def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
     """The routed expert outputs (B, T, D) f32, the load per expert (assignments, summed over
     the batch) and the number of dropped assignments, over the active mesh's `expert` axis (and
-    `tensor` inside each expert) when the rules split the experts, else on one device."""
+    `tensor` inside each expert) when the rules split the experts, else on one device.
+
+    Capacity routers move the slot buffers in `chunks` parts (slices of every expert's slots),
+    each part's all-to-all independent of the previous part's expert compute, so the scheduler
+    can run one while the other computes. With `tensor` > 1 each tensor rank sends a 1/tensor
+    share of the slots (expert-sequence parallel: no rank sends what another tensor rank
+    sends), gathers the others' inside its expert group for the split expert matmuls, and
+    reduce-scatters their outputs back."""
     mesh = sharding.active_mesh()
     split = mesh is not None and sharding.rule("expert") is not None
-    b, t, _ = x_BTD.shape
-    e = logits_BTE.shape[-1]
+    tp = mesh.shape["tensor"] if split else 1
+    t, e = x_BTD.shape[1], logits_BTE.shape[-1]
     cap = capacity(t, e, k, factor)
 
-    def local(x, logits, gate, up, down):
-        if router == "dropless":
-            top_p, top_e = jax.lax.top_k(jax.nn.softmax(logits.astype(F32), axis=-1), k)
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-            load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
-            rows = lambda a: a.reshape(-1, *a.shape[2:])
-            if not split:
-                out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0)
-                return out.reshape(x.shape), load, jnp.zeros((), F32)
-            # Every rank of the expert group sees the group's tokens, applies its experts.
-            gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)
-            first = jax.lax.axis_index("expert") * gate.shape[0]
-            out = _dropless(
-                rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first
-            )
-            out = jax.lax.psum(out, "tensor")
-            out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
-            load = jax.lax.psum(load, ("data", "expert"))
-            return out.reshape(x.shape), load, jnp.zeros((), F32)
+    def capacity_routed(x, logits, gate, up, down):
         if router == "expert_choice":
             token_of_slot, weight, load, dropped = route_expert_choice(logits, cap)
         else:
             token_of_slot, weight, load, dropped = route_topk(logits, k, cap)
-        xs = dispatch(x, token_of_slot, e)
-        if split:  # Each group's slots to the ranks of their experts, and back.
-            xs = jax.lax.all_to_all(xs, "expert", split_axis=1, concat_axis=0, tiled=True)
-        out = _swiglu(xs, gate, up, down)
+        # Every expert's C slots, padded with empty ones (token t, weight 0) to a multiple of
+        # tensor x chunks; this tensor rank takes its share, then the chunks slice that.
+        b, c = x.shape[0], token_of_slot.shape[1] // e
+        parts = tp * chunks
+        padded = -(-c // parts) * parts
+        pad = lambda a, value: jnp.pad(
+            a.reshape(b, e, c), ((0, 0), (0, 0), (0, padded - c)), constant_values=value
+        )
+        token_of_slot, weight = pad(token_of_slot, t), pad(weight, 0.0)
+        share = padded // tp
+        if tp > 1:
+            first = jax.lax.axis_index("tensor") * share
+            take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, share, axis=2)
+            token_of_slot, weight = take(token_of_slot), take(weight)
+        y = jnp.zeros(x.shape, F32)
+        step = share // chunks
+        for i in range(chunks):
+            slots = token_of_slot[:, :, i * step : (i + 1) * step].reshape(b, -1)
+            xs = dispatch(x, slots, e)  # (B, E, step, D)
+            if split:  # Each group's slots to the ranks of their experts.
+                xs = jax.lax.all_to_all(xs, "expert", split_axis=1, concat_axis=0, tiled=True)
+                if tp > 1:
+                    xs = jax.lax.all_gather(xs, "tensor", axis=2, tiled=True)
+            out = _swiglu(xs, gate, up, down)
+            if split:  # And back.
+                if tp > 1:
+                    out = jax.lax.psum_scatter(out, "tensor", scatter_dimension=2, tiled=True)
+                out = jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=1, tiled=True)
+            chunk_weight = weight[:, :, i * step : (i + 1) * step].reshape(b, -1)
+            y = y + combine(out, slots, chunk_weight, t)
+        if tp > 1:
+            y = jax.lax.psum(y, "tensor")  # Each tensor rank combined its share of the slots.
         if split:
-            out = jax.lax.psum(out, "tensor")
-            out = jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=1, tiled=True)
             load = jax.lax.psum(load, ("data", "expert"))
             dropped = jax.lax.psum(dropped, ("data", "expert"))
-        return combine(out, token_of_slot, weight, x.shape[1]), load, dropped
+        return y, load, dropped
 
+    def dropless(x, logits, gate, up, down):
+        top_p, top_e = jax.lax.top_k(jax.nn.softmax(logits.astype(F32), axis=-1), k)
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
+        rows = lambda a: a.reshape(-1, *a.shape[2:])
+        if not split:
+            out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0)
+            return out.reshape(x.shape), load, jnp.zeros((), F32)
+        # Every rank of the expert group sees the group's tokens, applies its experts.
+        gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)
+        first = jax.lax.axis_index("expert") * gate.shape[0]
+        out = _dropless(
+            rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first
+        )
+        out = jax.lax.psum(out, "tensor")
+        out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+        load = jax.lax.psum(load, ("data", "expert"))
+        return out.reshape(x.shape), load, jnp.zeros((), F32)
+
+    local = dropless if router == "dropless" else capacity_routed
     if not split:
         return local(x_BTD, logits_BTE, *weights)
     batch = sharding.active_spec(("batch",))[0]

@@ -78,6 +78,7 @@ class LlamaConfig:
     moe_ffn_dim: int = 0
     router: str = "topk"
     capacity_factor: float = 1.25
+    moe_dispatch_chunks: int = 1
     shared_experts: int = 0
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
@@ -109,6 +110,7 @@ class LlamaConfig:
             moe_ffn_dim=model.moe_ffn_dim or model.ffn_dim,
             router=model.router,
             capacity_factor=model.capacity_factor,
+            moe_dispatch_chunks=model.moe_dispatch_chunks,
             shared_experts=model.shared_experts,
             attention=None if attention == "xla" else attention,
             ring_blocks=model.ring_blocks,
@@ -175,6 +177,7 @@ class DecoderLayer(nn.Module):
             cfg.router,
             cfg.capacity_factor,
             dtype,
+            cfg.moe_dispatch_chunks,
             name="moe",
         )(x)
         if cfg.shared_experts:
