@@ -6,7 +6,9 @@ time with an online softmax (running max and sum), returning the output and its 
 which ring attention merges across key/value chunks. Backward (FlashAttention-2's split): one
 kernel accumulates dQ per query block over the key blocks, another dK and dV per key block over
 the query blocks of every query head that shares the key/value head (GQA). Inputs are bf16 or
-f32; dots accumulate in f32; outputs and grads are f32, since the ring sums them further.
+f32; every dot takes the inputs' dtype (the softmax grads are cast to it, as FlashAttention
+does) and accumulates in f32; outputs and grads are f32, since the ring sums them further.
+Under a causal mask, block pairs it hides entirely are skipped.
 
 Layouts: B batch, N query heads, K kv heads (N = K x G), T length, H head dim; q (B, N, Tq, H),
 k and v (B, K, Tk, H). On a CPU the kernels run in Pallas' interpreter (`interpret=True`):
@@ -30,22 +32,35 @@ def _mask(s, q_pos, k_pos, causal):
     return jnp.where(q_pos[:, None] >= k_pos[None, :], s, -jnp.inf) if causal else s
 
 
+def _unless_masked(causal, q_pos, k_pos, update, carry):
+    """update(carry), skipped for a (query block, key block) pair the causal mask hides whole:
+    half of a diagonal chunk pair's blocks (positions are given, so zigzag chunks work)."""
+    if not causal:
+        return update(carry)
+    return jax.lax.cond(jnp.min(k_pos) <= jnp.max(q_pos), update, lambda c: c, carry)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, lse_ref, *, causal, block_k):
     q, q_pos = q_ref[...], qp_ref[...]
     scale = q.shape[-1] ** -0.5
 
     def body(j, carry):
-        m, total, acc = carry
         keys = pl.ds(j * block_k, block_k)
-        k, v, k_pos = k_ref[keys, :], v_ref[keys, :], kp_ref[keys]
-        s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # Rows with nothing visible yet.
-        p = jnp.exp(s - shift[:, None])
-        alpha = jnp.exp(m - shift)
-        total = alpha * total + p.sum(axis=-1)
-        acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
-        return m_new, total, acc
+        k_pos = kp_ref[keys]
+
+        def update(carry):
+            m, total, acc = carry
+            k, v = k_ref[keys, :], v_ref[keys, :]
+            s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # Rows with nothing visible.
+            p = jnp.exp(s - shift[:, None])
+            alpha = jnp.exp(m - shift)
+            total = alpha * total + p.sum(axis=-1)
+            acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+            return m_new, total, acc
+
+        return _unless_masked(causal, q_pos, k_pos, update, carry)
 
     rows = q.shape[0]
     init = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32), jnp.zeros(q.shape, F32))
@@ -64,12 +79,18 @@ def _dq_kernel(
 
     def body(j, dq):
         keys = pl.ds(j * block_k, block_k)
-        k, v, k_pos = k_ref[keys, :], v_ref[keys, :], kp_ref[keys]
-        s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
-        p = jnp.exp(s - lse[:, None])
-        dp = jnp.dot(do, v.T, preferred_element_type=F32)
-        ds = p * (dp - delta[:, None]) * scale
-        return dq + jnp.dot(ds, k.astype(F32), preferred_element_type=F32)
+        k_pos = kp_ref[keys]
+
+        def update(dq):
+            k, v = k_ref[keys, :], v_ref[keys, :]
+            s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
+            p = jnp.exp(s - lse[:, None])
+            dp = jnp.dot(do, v.T, preferred_element_type=F32)
+            ds = p * (dp - delta[:, None]) * scale
+            # In the inputs' dtype, as every other dot: an f32 dot is many times slower.
+            return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+
+        return _unless_masked(causal, q_pos, k_pos, update, dq)
 
     dq_ref[...] = jax.lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, F32))
 
@@ -94,18 +115,23 @@ def _dkv_kernel(
     group, length = q_ref.shape[0], q_ref.shape[1]
 
     def body(i, carry):  # i runs over (query head in the group, query block).
-        dk, dv = carry
         # lax.div/rem, not // and %: their sign fix-ups do not lower to Triton (i32 vs i1).
         blocks = length // block_q
         g, rows = jax.lax.div(i, blocks), pl.ds(jax.lax.rem(i, blocks) * block_q, block_q)
-        q, do = q_ref[g, rows, :], do_ref[g, rows, :]
-        lse, delta, q_pos = lse_ref[g, rows], delta_ref[g, rows], qp_ref[rows]
-        s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
-        p = jnp.exp(s - lse[:, None])
-        dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=F32)
-        dp = jnp.dot(do, v.T, preferred_element_type=F32)
-        ds = p * (dp - delta[:, None]) * scale
-        return dk + jnp.dot(ds.T, q.astype(F32), preferred_element_type=F32), dv
+        q_pos = qp_ref[rows]
+
+        def update(carry):
+            dk, dv = carry
+            q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+            lse, delta = lse_ref[g, rows], delta_ref[g, rows]
+            s = _mask(jnp.dot(q, k.T, preferred_element_type=F32) * scale, q_pos, k_pos, causal)
+            p = jnp.exp(s - lse[:, None])
+            dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=F32)
+            dp = jnp.dot(do, v.T, preferred_element_type=F32)
+            ds = p * (dp - delta[:, None]) * scale
+            return dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=F32), dv
+
+        return _unless_masked(causal, q_pos, k_pos, update, carry)
 
     zeros = jnp.zeros(k.shape, F32)
     dk, dv = jax.lax.fori_loop(0, group * (length // block_q), body, (zeros, zeros))
