@@ -229,6 +229,13 @@ def named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def with_shardings(abstract, shardings):
+    """ShapeDtypeStructs of `abstract`'s shapes and dtypes, each with its item of `shardings`."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
 def describe(tree) -> str:
     """A table of each array's path, shape, dtype, mesh layout and bytes per device."""
     rows = [("param", "shape", "dtype", "sharding", "MiB/device")]

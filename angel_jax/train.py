@@ -5,7 +5,6 @@
 test imports.
 """
 
-import collections
 import dataclasses
 import functools
 import pathlib
@@ -36,20 +35,17 @@ from angel_jax.models.llama import (
 )
 from angel_jax.monitor import skip_if_anomalous
 from angel_jax.objectives import objective_loss
-from angel_jax.offload.planner import DEVICE, HOST, SSD, Plan, check_compiled, make_plan
+from angel_jax.offload.planner import HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
+from angel_jax.offload.state import OffloadedState, host_layout
 from angel_jax.offload.stream import (
-    Chunk,
     Space,
     StreamedUpdate,
     fetch_f32,
     global_norm,
-    home_kind,
     layer_chunks,
     pipelined,
     regroup,
-    unstack,
-    unstack_like,
 )
 from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
 from angel_jax.optim.powersgd import PowerSGD
@@ -134,7 +130,8 @@ class Experiment:
     stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).
     # The optimizer update of offloaded states, run after the jitted forward/backward step.
     streamed_update: StreamedUpdate | None = None
-    ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
+    # The offloaded states' layout and SSD tier, with plan.offloads_optimizer.
+    offloaded: OffloadedState | None = None
     # With config.mesh.pipeline > 1: the stages' layers, schedule and remat; the stacked
     # layers are then stored stage by stage (`pipeline.layout`).
     pipeline: PipelinePlan | None = None
@@ -147,9 +144,9 @@ class Experiment:
             return self._init_from_hf(rng)
         # No activation rules: the init's forward pass (one row, only for the params' shapes)
         # need not be laid out, and one row cannot be split over `data`.
-        if not self.plan.offloads_optimizer:
+        if not self.offloaded:
             return jax.jit(self._init, out_shardings=self.state_sharding)(rng)
-        return self._init_offloaded(rng)
+        return TrainState(*self.offloaded.init(self._init_params, rng))
 
     def _init_params(self, rng):
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
@@ -183,181 +180,31 @@ class Experiment:
             jnp.zeros((), jnp.int32), params, self.optimizer.init(params, self.stacked), None, comm
         )
 
-    def _init_offloaded(self, rng) -> TrainState:
-        """Builds the offloaded state a weight, and for a stacked weight a layer, at a time:
-        the device holds the fp32 params, the compute copy made so far and one layer's
-        optimizer state on its way out, never a whole weight's; SSD chunks are written with at
-        most two layers' writes pending, so neither memory holds the disk's share (on the H200,
-        building a whole weight's state at once and queueing every SSD write took the 15B model
-        to 126 GiB on the device and 159 GiB of host memory, against a plan of 104 and 85)."""
-        master_shardings = self._filled(self.state_sharding.params, "master_sharding")
-        opt_shardings = self._filled(self.state_sharding.opt_state, "state_sharding")
-        # Same values as `_init` would give; on the device in the offloaded masters' layout.
-        master_layout = jax.tree.map(_stacked_sharding, self.stacked, master_shardings)
-        params = jax.jit(self._init_params, out_shardings=master_layout)(rng)
-        dtype = jnp.dtype(self.config.model.dtype)
-        pending = collections.deque()  # SSD writes not known to be done, a pair per layer.
-
-        def place(key, layer, master, state):
-            """(master, state) where they stay: None, None for a chunk that went to disk."""
-            chunk = self.ssd.by_key.get((key, layer)) if self.ssd else None
-            if chunk is None:
-                return master, state
-            pending.append(self.ssd.put(chunk, master, state))
-            while len(pending) > 2:
-                for write in pending.popleft():
-                    write.result()
-            return None, None
-
-        def to_host(path, param, is_stacked, master_sharding, opt_sharding, compute_sharding):
-            key, init = jax.tree_util.keystr(path), self.optimizer.init_leaf
-            compute = jax.jit(lambda p: p.astype(dtype), out_shardings=compute_sharding)(param)
-            if is_stacked:
-                one_layer = jax.jit(
-                    lambda p, i: (
-                        x := jax.lax.dynamic_index_in_dim(p, i, keepdims=False),
-                        init(path, x),
-                    )
-                )
-                layers = []
-                for i in range(param.shape[0]):
-                    master, state = jax.device_put(
-                        one_layer(param, i), (master_sharding[i], opt_sharding[i])
-                    )
-                    layers.append(place(key, i, master, state))
-                master, state = tuple(m for m, _ in layers), tuple(s for _, s in layers)
-            else:
-                master, state = jax.jit(
-                    lambda p: (p, init(path, p)), out_shardings=(master_sharding, opt_sharding)
-                )(param)
-                master, state = place(key, None, master, state)
-            param.delete()  # Free the device copy now, not when the whole tree is done.
-            return master, state, compute
-
-        flat = jax.tree_util.tree_map_with_path(
-            to_host,
-            params,
-            self.stacked,
-            master_shardings,
-            opt_shardings,
-            self.state_sharding.compute_params,
-        )
-        part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
-        if self.ssd:
-            self.ssd.wait()
-        # The step as the jitted step returns it, so its first call compiles what later use.
-        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_sharding.step)
-        return TrainState(step, part(0), part(1), part(2))
-
-    def _filled(self, shardings, field: str):
-        """Masters' or optimizer state's `shardings` with the SSD chunks' device shardings
-        (their `field`) where the state holds None."""
-        if not self.ssd:
-            return shardings
-        return self._with_ssd(shardings, [getattr(c, field) for c in self.ssd.chunks])
-
-    def _with_ssd(self, tree, values: list):
-        """A masters- or optimizer-state-shaped `tree` (per layer) with each SSD chunk's None
-        replaced by its item of `values` (one per chunk, in order)."""
-        treedef = jax.tree.structure(self.stacked)
-        flat = treedef.flatten_up_to(tree)
-        for chunk, value in zip(self.ssd.chunks, values, strict=True):
-            if chunk.layer is None:
-                flat[chunk.weight] = value
-            else:
-                layers = list(flat[chunk.weight])
-                layers[chunk.layer] = value
-                flat[chunk.weight] = tuple(layers)
-        return treedef.unflatten(flat)
-
-    def _without_ssd(self, tree):
-        """(`tree` with None where the SSD chunks are, their values in chunk order)."""
-        treedef = jax.tree.structure(self.stacked)
-        flat = treedef.flatten_up_to(tree)
-        values = []
-        for chunk in self.ssd.chunks:
-            if chunk.layer is None:
-                values.append(flat[chunk.weight])
-                flat[chunk.weight] = None
-            else:
-                layers = list(flat[chunk.weight])
-                values.append(layers[chunk.layer])
-                layers[chunk.layer] = None
-                flat[chunk.weight] = tuple(layers)
-        return treedef.unflatten(flat), values
-
-    def _host_leaf(self, path, param, is_stacked):
-        """One weight's optimizer state, per layer if stacked (the host layout)."""
-        return unstack_like(self.optimizer.init_leaf(path, param, is_stacked), is_stacked, param)
-
-    def _with_compute_params(self, state: TrainState) -> TrainState:
-        if not self.plan.offloads_optimizer:
-            return state
-        dtype = jnp.dtype(self.config.model.dtype)
-        shardings = self._filled(self.state_sharding.params, "master_sharding")
-        masters = jax.device_put(state.params, self._on_device(shardings))
-        compute = jax.tree.map(
-            lambda is_stacked, m: (
-                jnp.stack([x.astype(dtype) for x in m]) if is_stacked else m.astype(dtype)
-            ),
-            self.stacked,
-            masters,
-        )
-        return state.replace(compute_params=compute)
-
-    @staticmethod
-    def _on_device(shardings):
-        return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+    @property
+    def ssd(self) -> SSDTier | None:
+        """Update chunks on disk (ZeRO-Cache's third tier), if any."""
+        return self.offloaded.ssd if self.offloaded else None
 
     def params_numpy(self, state: TrainState):
         """The fp32 master params as numpy arrays in the model's layout, whatever the policy."""
-        params = jax.device_get(state.params)
-        if not self.plan.offloads_optimizer:
-            return params
-        if self.ssd:  # Fill in the chunks on disk.
-            params = self._with_ssd(params, [m for m, _ in self.ssd.read_all()])
-        return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
+        if self.offloaded:
+            return self.offloaded.params_numpy(state.params)
+        return jax.device_get(state.params)
 
     def checkpointed(self, state: TrainState) -> TrainState:
-        """What checkpoints hold: the derived compute copy left out, the SSD tier's chunks in
-        (as numpy arrays, read from disk: the tier passes through host memory while saving)."""
-        state = state.replace(compute_params=None)
-        if not self.ssd:
-            return state
-        values = self.ssd.read_all()
-        return state.replace(
-            params=self._with_ssd(state.params, [m for m, _ in values]),
-            opt_state=self._with_ssd(state.opt_state, [s for _, s in values]),
-        )
+        """What checkpoints hold: the state, less what offloaded states derive and with their SSD
+        chunks in (`OffloadedState.checkpointed`)."""
+        return self.offloaded.checkpointed(state) if self.offloaded else state
 
     def checkpoint_target(self) -> TrainState:
-        """The abstract `checkpointed` state to restore into: the SSD chunks as numpy."""
-        state = self.abstract_state.replace(compute_params=None)
-        if not self.ssd:
-            return state
-        empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
-        return state.replace(
-            params=self._with_ssd(state.params, [empty(c.master) for c in self.ssd.chunks]),
-            opt_state=self._with_ssd(state.opt_state, [empty(c.state) for c in self.ssd.chunks]),
-        )
+        """The abstract `checkpointed` state to restore into."""
+        if self.offloaded:
+            return self.offloaded.checkpoint_target(self.abstract_state)
+        return self.abstract_state
 
     def from_checkpointed(self, state: TrainState) -> TrainState:
-        """Re-derives what `checkpointed` left out, and puts the SSD chunks back on disk."""
-        if not self.plan.offloads_optimizer:
-            return state
-        derive = jax.jit(
-            lambda params: self._with_compute_params(TrainState(None, params, None)).compute_params,
-            out_shardings=self.state_sharding.compute_params,
-        )
-        state = state.replace(compute_params=derive(state.params))
-        if self.ssd:
-            masters, master_values = self._without_ssd(state.params)
-            opt, state_values = self._without_ssd(state.opt_state)
-            for chunk, m, s in zip(self.ssd.chunks, master_values, state_values, strict=True):
-                self.ssd.put(chunk, m, s)
-            self.ssd.wait()
-            state = state.replace(params=masters, opt_state=opt)
-        return state
+        """Re-derives what `checkpointed` left out (`OffloadedState.from_checkpointed`)."""
+        return self.offloaded.from_checkpointed(state) if self.offloaded else state
 
     def _inputs_and_targets(self, tokens_BT1: jax.Array):
         inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
@@ -672,88 +519,6 @@ class Experiment:
         return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
 
 
-def _stacked_sharding(is_stacked, host_shardings):
-    """The device sharding of a whole weight from its (per-layer, pinned-host) shardings."""
-    one = host_shardings[0] if is_stacked else host_shardings
-    spec = P(None, *one.spec) if is_stacked else one.spec
-    return NamedSharding(one.mesh, spec, memory_kind="device")
-
-
-def _with_shardings(abstract, shardings):
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-
-
-def _abstract_on_device(abstract_tree):
-    """The same shapes with their shardings moved to device memory."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding.with_memory_kind(DEVICE)
-        ),
-        abstract_tree,
-    )
-
-
-def _host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, stacked, plan):
-    """Shapes and shardings of masters and optimizer state in the streamed update's layout:
-    stacked weights split into one array per layer, each sharded like a layer slice of its
-    (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
-    Chunks on the SSD tier are None there. Also returns every update chunk, in update order
-    (with its shardings on the device, where its update runs)."""
-    host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
-    host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
-
-    def on_host(path, is_stacked, shardings, abstract):
-        def one(s, x, layer=None):
-            spec = P(*s.spec[1:]) if is_stacked else s.spec
-            tier = plan.chunk_tier(jax.tree_util.keystr(path), layer)
-            kind = DEVICE if tier == SSD else home_kind(tier, x)
-            return NamedSharding(s.mesh, spec, memory_kind=kind)
-
-        if not is_stacked:
-            return jax.tree.map(one, shardings, abstract)
-        return tuple(
-            jax.tree.map(lambda s, x, i=i: one(s, x, i), shardings, abstract[i])
-            for i in range(len(abstract))
-        )
-
-    masters = jax.tree_util.tree_map_with_path(on_host, stacked, master_sharding, host_params)
-    opt = jax.tree_util.tree_map_with_path(on_host, stacked, opt_sharding, host_opt)
-    chunks = []
-    treedef = jax.tree.structure(stacked)
-    trees = (_with_shardings(host_params, masters), _with_shardings(host_opt, opt))
-    flat = [treedef.flatten_up_to(t) for t in trees]
-    for w, ((path, is_stacked), m, o) in enumerate(
-        zip(jax.tree_util.tree_leaves_with_path(stacked), *flat, strict=True)
-    ):
-        key = jax.tree_util.keystr(path)
-        for layer in range(len(m)) if is_stacked else [None]:
-            pick = (lambda x: x) if layer is None else (lambda x, i=layer: x[i])
-            tier = plan.chunk_tier(key, layer)
-            chunks.append(
-                Chunk(
-                    f"{key}[{layer}]",
-                    path,
-                    w,
-                    layer,
-                    tier,
-                    *map(_abstract_on_device, (pick(m), pick(o))),
-                )
-            )
-
-    def drop(tree):
-        def one(path, is_stacked, sub):
-            key = jax.tree_util.keystr(path)
-            if not is_stacked:
-                return None if plan.chunk_tier(key, None) == SSD else sub
-            return tuple(None if plan.chunk_tier(key, i) == SSD else x for i, x in enumerate(sub))
-
-        return jax.tree_util.tree_map_with_path(one, stacked, tree)
-
-    return drop(host_params), drop(host_opt), drop(masters), drop(opt), chunks
-
-
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
@@ -809,10 +574,10 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     plan = make_plan(
         config,
         mesh,
-        params=_with_shardings(abstract_params, param_sharding),
-        grads=_with_shardings(abstract_params, grad_sharding),
-        offloaded_masters=_with_shardings(abstract_params, offloaded_master_sharding),
-        opt=_with_shardings(abstract_opt, opt_sharding),
+        params=sharding.with_shardings(abstract_params, param_sharding),
+        grads=sharding.with_shardings(abstract_params, grad_sharding),
+        offloaded_masters=sharding.with_shardings(abstract_params, offloaded_master_sharding),
+        opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
     )
     compute_sharding = abstract_compute = ssd = update = None
@@ -832,7 +597,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         abstract_compute = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
         )
-        abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = _host_layout(
+        abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = host_layout(
             abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
         )
         on_disk = [c for c in chunks if c.tier == SSD]
@@ -861,10 +626,14 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding, comm_sharding
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    abstract_state = _with_shardings(
+    abstract_state = sharding.with_shardings(
         TrainState(scalar, abstract_params, abstract_opt, abstract_compute, abstract_comm),
         state_sharding,
     )
+    offloaded = None
+    if plan.offloads_optimizer:
+        dtype = jnp.dtype(config.model.dtype)
+        offloaded = OffloadedState(stacked, optimizer, state_sharding, dtype, ssd)
     return Experiment(
         config=config,
         mesh=mesh,
@@ -879,7 +648,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         plan=plan,
         stacked=stacked,
         streamed_update=update,
-        ssd=ssd,
+        offloaded=offloaded,
         pipeline=pipeline,
         powersgd=powersgd,
     )
