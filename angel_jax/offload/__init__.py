@@ -1,1 +1,2 @@
-"""ZeRO-Cache: memory-tier planner and streaming (a later issue)."""
+"""ZeRO-Cache: the memory-tier planner, the offloaded state's layout, the streamed update and
+the SSD tier."""
