@@ -9,8 +9,8 @@ from flax import linen as nn
 
 from angel_jax.config import ConfigError, default_config
 from angel_jax.layers import apply_rope
+from angel_jax.losses import cross_entropy
 from angel_jax.models.llama import Llama, LlamaConfig
-from angel_jax.train import cross_entropy
 
 
 def test_cross_entropy_matches_optax_and_adds_z_loss():

@@ -21,9 +21,9 @@ from angel_jax.data.objectives import (
     span_shape,
     split_fields,
 )
+from angel_jax.losses import objective_loss
 from angel_jax.mesh import make_mesh
 from angel_jax.models import example_inputs, make_model
-from angel_jax.objectives import objective_loss
 from angel_jax.train import build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"

@@ -1,4 +1,6 @@
-"""Losses of the objectives over a batch of rows laid out by data/objectives.py.
+"""Training losses: next-token cross entropy over plain token windows (whole, or over
+sequence slices so the float32 logits never exist at once), and the objectives' losses over
+rows laid out by data/objectives.py:
 
 causal  next-token loss; with segment ids, no loss from a document's last token onto the next
         document's first, nor on padding.
@@ -12,10 +14,58 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from angel_jax import sharding
 from angel_jax.config import objective
 from angel_jax.data.objectives import row_fields, split_fields
 
 DECODER_START_ID = 0
+
+
+def cross_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float, one_hot: bool = False
+):
+    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics. With
+    `one_hot` the target logits are picked by a one-hot product, not a gather: inside a
+    pipeline stage XLA's partitioner fails on that gather over data x tensor (jax 0.10)."""
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    if one_hot:
+        pick = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+        target_logit = jnp.sum(logits_BTV * pick, axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    loss = jnp.mean(logz_BT - target_logit)
+    z = jnp.mean(jnp.square(logz_BT))
+    return loss + z_loss * z, dict(loss=loss, z_loss=z)
+
+
+def chunked_cross_entropy(
+    h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, z_loss: float, chunks: int
+):
+    """`cross_entropy` of the logits h @ head, a slice of the sequence at a time under remat,
+    so only one slice's float32 logits exist at once (forward and backward). Each slice takes
+    the same share of every device's positions when the sequence is split over devices."""
+    b, t, d = h_BTD.shape
+    ways = 1  # Devices the sequence is split over: each slice keeps that split.
+    for axis in jax.tree.leaves(sharding.rule("length")):
+        ways *= sharding.active_mesh().shape[axis]
+    per = t // (ways * chunks)
+    # (B, ways, chunks, per, ...) with the chunk axis first, for the scan.
+    h_NBWPD = h_BTD.reshape(b, ways, chunks, per, d).transpose(2, 0, 1, 3, 4)
+    t_NBWP = targets_BT.reshape(b, ways, chunks, per).transpose(2, 0, 1, 3)
+
+    @jax.checkpoint
+    def step(sums, xs):
+        h_BWPD, t_BWP = xs
+        logits = jnp.einsum("bwpd,dv->bwpv", h_BWPD, head_DV).astype(jnp.float32)
+        logits = sharding.constrain(logits, ("batch", "length", None, "vocab"))
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t_BWP[..., None], axis=-1)[..., 0]
+        return (sums[0] + jnp.sum(logz - target), sums[1] + jnp.sum(jnp.square(logz))), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (nll, z), _ = jax.lax.scan(step, (zero, zero), (h_NBWPD, t_NBWP))
+    loss, z = nll / (b * t), z / (b * t)
+    return loss + z_loss * z, dict(loss=loss, z_loss=z)
 
 
 def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT, z_loss: float):
