@@ -262,6 +262,17 @@ def pipeline_grads(
         jax.tree.map(pin, shared_grads, shared_grad_specs),
     )
 
+    # Ring attention's ppermutes (over `context`) sit inside the layers, and a collective that
+    # only some stages reach hangs: XLA's collective-permute spans every device. With `context`
+    # split, every stage runs an F and a B each tick (an idle one on stale inputs, its results
+    # dropped: the tick waits for the busy stages anyway) and every padded layer slot (zero
+    # weights: an exact identity, with zero grads).
+    unconditional = mesh.shape["context"] > 1
+
+    def maybe(pred, run, skip, *operands):
+        """`lax.cond(pred, run, skip, *operands)`, or `run` alone where every stage must run."""
+        return run(*operands) if unconditional else jax.lax.cond(pred, run, skip, *operands)
+
     # Saved residuals: found on the first trace, reused by every later one.
     layer_residuals, head_residuals = Residuals(), Residuals()
     last_chunk_head = jax.checkpoint(fns.head_loss, policy=jax.checkpoint_policies.nothing_saveable)
@@ -299,7 +310,7 @@ def pipeline_grads(
             def body(h, xs):
                 params, present = xs
                 skip = lambda params, h: (h, zeros(layer_saved))
-                return jax.lax.cond(present, layer_forward, skip, params, h)
+                return maybe(present, layer_forward, skip, params, h)
 
             h, saved = jax.lax.scan(body, h, (pick(layers, chunk), mask[chunk]))
             objective, metrics, saved_head = jax.lax.cond(
@@ -328,7 +339,7 @@ def pipeline_grads(
                     return pin(d_h), d_params
 
                 skip = lambda params, saved, d_h: (d_h, zeros(params))
-                return jax.lax.cond(present, layer_backward, skip, params, saved, d_h)
+                return maybe(present, layer_backward, skip, params, saved, d_h)
 
             xs = (pick(layers, chunk), saved_layers, mask[chunk])
             d_h, d_layers = jax.lax.scan(body, d_h, xs, reverse=True)
@@ -346,35 +357,32 @@ def pipeline_grads(
 
             # F: run the chunk, keep its residuals in the slot, send the output on.
             active = mb != IDLE
+            mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
             idle = lambda: (h_zeros(), zeros(kept_one), zeros(values_shape))
-            out, saved, values = jax.lax.cond(
-                active, lambda: chunk_forward(chunk, mb, recv_f), idle
-            )
-            slot = jnp.maximum(slot, 0)
+            out, saved, values = maybe(active, lambda: chunk_forward(chunk, mb, recv_f), idle)
             kept = jax.tree.map(
                 lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
             )
-            sums = jax.tree.map(jnp.add, sums, values)
+            sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
             recv_f = pin(jax.lax.ppermute(out, "pipeline", [(i, (i + 1) % p) for i in range(p)]))
 
             # B: the chunk's backward from its kept residuals; add its grads, send the input's.
+            b_active = b_mb != IDLE
+            b_mb, b_chunk, b_slot = (jnp.maximum(x, 0) for x in (b_mb, b_chunk, b_slot))
+            keep = lambda g: jnp.where(b_active, g, 0).astype(jnp.float32)
+
             def backward(grads, shared_grads):
                 saved = pick(kept, b_slot)
                 d_layers, d_shared, d_x = chunk_backward(b_chunk, b_mb, saved, recv_b)
-                grads = jax.tree.map(
-                    lambda acc, g: acc.at[b_chunk].add(g.astype(jnp.float32)), grads, d_layers
-                )
-                shared_grads = jax.tree.map(
-                    lambda acc, g: acc + g.astype(jnp.float32), shared_grads, d_shared
-                )
-                return pin(d_x.astype(recv_b.dtype)), *pin_grads(grads, shared_grads)
+                grads = jax.tree.map(lambda acc, g: acc.at[b_chunk].add(keep(g)), grads, d_layers)
+                shared_grads = jax.tree.map(lambda acc, g: acc + keep(g), shared_grads, d_shared)
+                d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
+                return pin(d_x), *pin_grads(grads, shared_grads)
 
             def no_backward(grads, shared_grads):
                 return h_zeros(), *pin_grads(grads, shared_grads)
 
-            d_x, grads, shared_grads = jax.lax.cond(
-                b_mb != IDLE, backward, no_backward, grads, shared_grads
-            )
+            d_x, grads, shared_grads = maybe(b_active, backward, no_backward, grads, shared_grads)
             recv_b = pin(jax.lax.ppermute(d_x, "pipeline", [(i, (i - 1) % p) for i in range(p)]))
             return (recv_f, recv_b, kept, grads, shared_grads, sums), None
 

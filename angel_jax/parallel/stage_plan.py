@@ -192,13 +192,6 @@ def make_pipeline_plan(
             1,
             "the last stage computes one microbatch's logits at a time already",
         ),
-        # Ring attention's ppermute would run inside branches that only some stages take,
-        # and XLA:CPU's collective-permute waits for every device of the mesh.
-        "config.mesh.context": (
-            mesh_shape["context"],
-            1,
-            "ring attention inside pipeline stages is not supported yet",
-        ),
     }
     if cfg.attention == "cudnn" and any(n > 1 for a, n in mesh_shape.items() if a != "pipeline"):
         # The stages' shard_map is then manual over `pipeline` only (pipeline.py).
