@@ -4,7 +4,8 @@ schedules, each run as one jitted program.
 Layout. The model's layers are cut into S = p x v chunks of consecutive layers (p stages, v
 virtual stages each); chunk k lives on stage k mod p, so a circular schedule passes every
 microbatch around the ring v times. Chunks may hold different numbers of layers (the planner
-balances them): each is padded to the longest, and a padded slot is skipped with `lax.cond`.
+balances them): each is padded to the longest, and a padded slot is skipped with `lax.cond`
+(or, with `context` split, run on its zero weights: see `pipeline_grads`).
 The stacked layer weights are stored stage-major, (p x v x slots, ...), split over `pipeline`.
 The embedding runs in the first chunk, the final norm, LM head and loss in the last.
 
@@ -64,7 +65,7 @@ class Schedule:
     virtual: int
     forward: np.ndarray  # (ticks, stages, 3) int32.
     backward: np.ndarray  # (ticks, stages, 3) int32.
-    slots: int  # Chunk inputs a stage keeps at once (the live activations).
+    slots: int  # Microbatches whose residuals a stage keeps at once (F done, B not yet).
 
     @property
     def ticks(self) -> int:
@@ -73,14 +74,24 @@ class Schedule:
     def bubble(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
         """Idle share of the stages' time when every F costs `forward_cost` and every B
         `backward_cost`: a tick's F phase lasts if any stage runs an F, its B phase likewise."""
-        any_f = (self.forward[..., 0] != IDLE).any(axis=1)
-        any_b = (self.backward[..., 0] != IDLE).any(axis=1)
+        any_f, any_b = self.busy_ticks().T
         total = any_f.sum() * forward_cost + any_b.sum() * backward_cost
         busy = self.microbatches * self.virtual * (forward_cost + backward_cost)
         return float(1.0 - busy / total)
 
+    def busy_ticks(self) -> np.ndarray:
+        """(ticks, 2) whether any stage runs an F, a B, at each tick."""
+        return np.stack(
+            [
+                (self.forward[..., 0] != IDLE).any(axis=1),
+                (self.backward[..., 0] != IDLE).any(axis=1),
+            ],
+            axis=1,
+        )
+
     def live(self) -> np.ndarray:
-        """Inputs kept per stage during each tick (its B still needs them): (ticks, stages)."""
+        """Microbatches kept per stage during each tick (its B still needs their residuals):
+        (ticks, stages)."""
         backward = self.backward[..., 0] != IDLE
         started = np.cumsum(self.forward[..., 0] != IDLE, axis=0)
         return started - (np.cumsum(backward, axis=0) - backward)
@@ -182,17 +193,22 @@ class Residuals:
     identity), which B passes in again rather than every kept microbatch holding a copy."""
 
     def __init__(self):
-        self.treedef = None
+        self.treedef = None  # Of the first trace's vjp: its backward applies to any trace's.
         self.sources = None  # Per residual: the index of the weight it is, or -1 (saved).
+        self.avals = None  # Every residual's shape and dtype, the same in every trace.
 
     def save(self, vjp: Callable, weights) -> list[jax.Array]:
         leaves, treedef = jax.tree.flatten(vjp)
         index = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
         sources = tuple(index.get(id(leaf), -1) for leaf in leaves)
+        avals = tuple((leaf.shape, leaf.dtype) for leaf in leaves)
         if self.sources is None:
-            self.treedef, self.sources = treedef, sources
-        elif sources != self.sources:
-            raise AssertionError(f"residuals changed between traces: {sources} {self.sources}")
+            self.treedef, self.sources, self.avals = treedef, sources, avals
+        elif (sources, avals) != (self.sources, self.avals):
+            raise AssertionError(
+                f"a stage's residuals changed between traces: {sources} {avals}, first "
+                f"{self.sources} {self.avals}"
+            )
         return [leaf for leaf, source in zip(leaves, sources, strict=True) if source < 0]
 
     def restore(self, saved: list[jax.Array], weights) -> Callable:
@@ -264,14 +280,20 @@ def pipeline_grads(
 
     # Ring attention's ppermutes (over `context`) sit inside the layers, and a collective that
     # only some stages reach hangs: XLA's collective-permute spans every device. With `context`
-    # split, every stage runs an F and a B each tick (an idle one on stale inputs, its results
-    # dropped: the tick waits for the busy stages anyway) and every padded layer slot (zero
-    # weights: an exact identity, with zero grads).
-    unconditional = mesh.shape["context"] > 1
+    # split, a tick's F (B) phase runs on every stage when any stage has an F (a B), an idle
+    # stage on stale inputs with its results dropped, and every padded layer slot runs (zero
+    # weights: an exact identity, with zero grads); the predicates are then the same on every
+    # device.
+    uniform = mesh.shape["context"] > 1
 
-    def maybe(pred, run, skip, *operands):
-        """`lax.cond(pred, run, skip, *operands)`, or `run` alone where every stage must run."""
-        return run(*operands) if unconditional else jax.lax.cond(pred, run, skip, *operands)
+    def maybe(pred, run, skip, *operands, anywhere=None):
+        """`lax.cond(pred, run, skip, *operands)`; with `uniform`, on `anywhere` (a predicate
+        the same on every stage: run, then drop what `pred` would skip) or, with none, `run`."""
+        if not uniform:
+            return jax.lax.cond(pred, run, skip, *operands)
+        if anywhere is None:
+            return run(*operands)
+        return jax.lax.cond(anywhere, run, skip, *operands)
 
     # Saved residuals: found on the first trace, reused by every later one.
     layer_residuals, head_residuals = Residuals(), Residuals()
@@ -289,7 +311,7 @@ def pipeline_grads(
         )
         return objective, metrics, head_residuals.save(vjp, shared)
 
-    def stage(layers, mask, shared, tokens, targets, forward_table, backward_table):
+    def stage(layers, mask, shared, tokens, targets, forward_table, backward_table, busy):
         s = jax.lax.axis_index("pipeline")
         # (v x slots, ...) on this stage -> (v, slots, ...): its chunks.
         layers = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), layers)
@@ -354,12 +376,14 @@ def pipeline_grads(
         def tick(carry, rows):
             recv_f, recv_b, kept, grads, shared_grads, sums = carry
             (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
+            any_f, any_b = rows[2]  # Whether any stage has an F, a B, at this tick.
 
             # F: run the chunk, keep its residuals in the slot, send the output on.
             active = mb != IDLE
             mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
             idle = lambda: (h_zeros(), zeros(kept_one), zeros(values_shape))
-            out, saved, values = maybe(active, lambda: chunk_forward(chunk, mb, recv_f), idle)
+            run = lambda: chunk_forward(chunk, mb, recv_f)
+            out, saved, values = maybe(active, run, idle, anywhere=any_f)
             kept = jax.tree.map(
                 lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
             )
@@ -382,7 +406,9 @@ def pipeline_grads(
             def no_backward(grads, shared_grads):
                 return h_zeros(), *pin_grads(grads, shared_grads)
 
-            d_x, grads, shared_grads = maybe(b_active, backward, no_backward, grads, shared_grads)
+            d_x, grads, shared_grads = maybe(
+                b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
+            )
             recv_b = pin(jax.lax.ppermute(d_x, "pipeline", [(i, (i - 1) % p) for i in range(p)]))
             return (recv_f, recv_b, kept, grads, shared_grads, sums), None
 
@@ -396,7 +422,7 @@ def pipeline_grads(
         sums = zeros(values_shape)
         grads = pin_grads(zeros(layers, jnp.float32), zeros(shared, jnp.float32))
         carry = (h_zeros(), h_zeros(), kept, *grads, sums)
-        carry, _ = jax.lax.scan(tick, carry, (forward_table, backward_table))
+        carry, _ = jax.lax.scan(tick, carry, (forward_table, backward_table, busy))
         _, _, _, grads, shared_grads, sums = carry
         # Only the first stage has embedding grads, only the last head grads and metrics.
         shared_grads, sums = jax.lax.psum((shared_grads, sums), "pipeline")
@@ -409,7 +435,7 @@ def pipeline_grads(
     run = jax.shard_map(
         stage,
         mesh=mesh,
-        in_specs=(layer_specs, on_stages, P(), P(), P(), table_spec, table_spec),
+        in_specs=(layer_specs, on_stages, P(), P(), P(), table_spec, table_spec, P()),
         out_specs=(P(), layer_specs, P()),
         axis_names=set(mesh.axis_names) if fully_manual else {"pipeline"},
         check_vma=False,
@@ -423,4 +449,5 @@ def pipeline_grads(
             targets_MBT,
             jnp.asarray(schedule.forward),
             jnp.asarray(schedule.backward),
+            jnp.asarray(schedule.busy_ticks()),
         )

@@ -15,11 +15,12 @@ every chunk the same count (the remainder to the first ones); "12,10" gives the 
 Memory per device: the state (fp32 masters, grads, the pipeline's fp32 grad accumulators and
 AdamW moments, with ZeRO's `data` split), every stage holding the embedding and head; the
 residuals of the microbatches in flight (the schedule's slots, each holding a chunk's layers'
-saved activations and the head's input); and the last chunk's logits and their grad. One
-program runs on every stage, so each allocates what the fullest stage needs: padded layer
-slots, the same remat policy, buffers and branch temporaries everywhere. `remat=auto` picks the
-fastest policy that fits the device memory (config.offload.device_gib, else what the device
-reports).
+saved activations and the head's input, and one slot more for copies in flight); and the last
+chunk's logits and their grad. One program runs on every stage, so each allocates what the
+fullest stage needs: padded layer slots, the same remat policy, buffers and branch temporaries
+everywhere. `remat=auto` picks the fastest policy that fits the device memory
+(config.offload.device_gib, else what the device reports). With `context` split, every stage
+runs its padded slots (pipeline.py), so every chunk costs as much as the longest.
 """
 
 import dataclasses
@@ -128,7 +129,7 @@ def critical_path(schedule: Schedule, forward: np.ndarray, backward: np.ndarray)
 
 def balance_layers(num_layers: int, chunks: int, cost) -> tuple[int, ...]:
     """Layers per chunk (each at least one) minimising `cost(counts)`. The first and last
-    chunks differ from the rest (the embedding, the head, the skipped F), so their counts are
+    chunks differ from the rest (the embedding, the head and the loss), so their counts are
     searched and the chunks between share the other layers evenly. Ties go to the split whose
     largest chunk is smallest (less padding)."""
     if chunks == 1:
@@ -228,11 +229,15 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
     layer, recompute = (tokens * f for f in layer_forward_flops(cfg, config.train.seq_len, remat))
     head = tokens * (2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size)
 
+    # With `context` split every stage runs its padded slots too (pipeline.py): every chunk
+    # then costs as many layers as the longest, and the even split is as good as any.
+    uniform = mesh_shape["context"] > 1
+
     def chunk_flops(counts):
         """(F, B) FLOPs per chunk and microbatch: a layer's F is a forward, its B the
         backward (2 forwards) and the remat's recompute; the last chunk's F adds the head's
         forward, its B the head's forward again and its backward."""
-        n = np.asarray(counts, np.float64)
+        n = np.asarray([max(counts)] * len(counts) if uniform else counts, np.float64)
         forward = n * layer
         forward[-1] += head
         backward = n * (2 * layer + recompute)
@@ -256,9 +261,11 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
 
 
 def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> np.ndarray:
-    """(stages,) estimated bytes per device."""
+    """(stages,) estimated bytes per device; `tokens` are a microbatch's per device of the
+    work (split over `tensor` too), so a device holds the activations of tokens x tensor."""
     p, v = schedule.stages, schedule.virtual
     dp, tp = mesh_shape["data"], mesh_shape["tensor"]
+    rows = tokens * tp
     zero = config.zero_stage
     # Master, grad, pipeline accumulator, two AdamW moments (fp32), ZeRO's share over data.
     per_param = (4 / (dp if zero >= 3 else 1) + 4 / (dp if zero >= 2 else 1) + 4) + 8 / (
@@ -269,13 +276,18 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     state = (layout.slots * v * layer_params + shared) * per_param / tp
     dtype_bytes = np.dtype(cfg.dtype).itemsize
-    widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-    widths += (cfg.ffn_dim / tp,)
+    # Per device: heads and FFN split over `tensor` (KV heads unless fewer than its ranks), the
+    # model dim only in norm regions under sequence parallel.
+    d = cfg.d_model / (tp if config.model.sequence_parallel else 1)
+    kv = cfg.num_kv_heads * cfg.head_dim / (tp if cfg.num_kv_heads % tp == 0 else 1)
+    widths = (d, cfg.num_heads * cfg.head_dim / tp, kv, cfg.ffn_dim / tp)
     units = SAVED_WIDTHS[effective_remat(cfg, remat)]
     saved = sum(u * w for u, w in zip(units, widths, strict=True))
-    # Per slot: a chunk's layer slots' residuals and the head's input.
-    residuals = schedule.slots * tokens * (layout.slots * saved + cfg.d_model) * dtype_bytes
-    logits = tokens * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, in a B.
+    # Per slot: a chunk's layer slots' residuals and the head's input; one slot more for the
+    # copies in flight (an F's new residuals before they go into the buffer, a B's slot).
+    per_slot = rows * (layout.slots * saved + d) * dtype_bytes
+    residuals = (schedule.slots + 1) * per_slot
+    logits = rows * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, in a B.
     return np.full(p, state + residuals + logits)
 
 
