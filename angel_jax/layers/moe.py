@@ -193,7 +193,7 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
         # Every expert's C slots, padded with empty ones (token t, weight 0) to a multiple of
         # tensor x chunks; this tensor rank takes its share, then the chunks slice that.
         b, c = x.shape[0], token_of_slot.shape[1] // e
-        parts = tp * chunks
+        parts = tp * min(chunks, -(-c // tp))  # No chunk of padding only.
         padded = -(-c // parts) * parts
         pad = lambda a, value: jnp.pad(
             a.reshape(b, e, c), ((0, 0), (0, 0), (0, padded - c)), constant_values=value
@@ -205,8 +205,8 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
             take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, share, axis=2)
             token_of_slot, weight = take(token_of_slot), take(weight)
         y = jnp.zeros(x.shape, F32)
-        step = share // chunks
-        for i in range(chunks):
+        step = share // (parts // tp)
+        for i in range(parts // tp):
             slots = token_of_slot[:, :, i * step : (i + 1) * step].reshape(b, -1)
             xs = dispatch(x, slots, e)  # (B, E, step, D)
             if split:  # Each group's slots to the ranks of their experts.
@@ -221,7 +221,9 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
             chunk_weight = weight[:, :, i * step : (i + 1) * step].reshape(b, -1)
             y = y + combine(out, slots, chunk_weight, t)
         if tp > 1:
-            y = jax.lax.psum(y, "tensor")  # Each tensor rank combined its share of the slots.
+            # Each tensor rank combined its share of the slots; summed in the compute dtype, as
+            # the expert outputs were before (half the bytes of float32).
+            y = jax.lax.psum(y.astype(x.dtype), "tensor").astype(F32)
         if split:
             load = jax.lax.psum(load, ("data", "expert"))
             dropped = jax.lax.psum(dropped, ("data", "expert"))
