@@ -41,6 +41,16 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def event_op(e: dict) -> str:
+    """A kernel event's HLO op (its name where the trace gives none)."""
+    args = e.get("args", {})
+    return args.get("hlo_op") or args.get("name") or e["name"]
+
+
+def event_kind(e: dict) -> str:
+    return kind_of(e["name"] + " " + event_op(e))
+
+
 def device_events(trace: dict) -> dict[str, list[dict]]:
     """Complete events of each GPU stream, keyed by "process/thread" name."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -101,7 +111,7 @@ def communication(events: list[dict]) -> dict:
     """One GPU's collective time and how much of it ran while compute kernels ran too."""
     comm, compute = [], []
     for e in events:
-        kind = kind_of(e["name"] + " " + e.get("args", {}).get("hlo_op", ""))
+        kind = event_kind(e)
         (comm if kind == "collective" else compute if kind != "copy" else []).append(e)
     comm_us = length(merged(comm))
     hidden_us = overlap(merged(comm), merged(compute))
@@ -140,14 +150,14 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
             collective_overlapped_fraction=comm["overlapped_fraction"],
         )
         for e in events:
-            label = e["name"]
-            args = e.get("args", {})
-            op = args.get("hlo_op") or args.get("name") or label
-            kind = kind_of(label + " " + op)
+            kind = event_kind(e)
             by_kind[kind] += e["dur"] / n
-            by_name[(kind, op, label[:80])] += e["dur"] / n
+            by_name[(kind, event_op(e), e["name"][:80])] += e["dur"] / n
     sources = hlo_sources(hlo_text)
-    mean = {k: sum(g[k] or 0.0 for g in gpus.values()) / n for k in next(iter(gpus.values()))}
+    mean = {}
+    for key in next(iter(gpus.values())):  # Over the GPUs that have a value.
+        values = [g[key] for g in gpus.values() if g[key] is not None]
+        mean[key] = sum(values) / len(values) if values else None
     return dict(
         steps=steps,
         **mean,
