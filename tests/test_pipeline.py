@@ -185,6 +185,13 @@ CASES = {
         pipeline__schedule="gpipe",
         pipeline__balance="4,2",
     ),
+    "p2x2_circular_context2_data2": dict(
+        mesh__pipeline=2,
+        mesh__data=2,
+        mesh__context=2,
+        pipeline__schedule="circular",
+        pipeline__virtual_stages=2,
+    ),
     "p2_1f1b_context2_tensor2": dict(
         mesh__pipeline=2, mesh__data=1, mesh__context=2, mesh__tensor=2, pipeline__schedule="1f1b"
     ),
