@@ -1,6 +1,7 @@
 """Tokens/s and MFU of angel-jax beside the peer baselines, in one GPU job.
 
     python experiments/throughput.py --baselines BASELINE_DIR [--out experiments/results/x.json]
+    python experiments/throughput.py --sweep [--only NAMES] [-- --config.mesh.data=2 ...]
 
 Each system runs in its own process (a clean GPU each), on the same shape with random tokens;
 the table and the JSON give tokens/s, MFU (the baselines' formula, 989 TFLOP/s peak) and
@@ -27,6 +28,13 @@ VARIANTS = [
     ("angel-jax unrolled layers", ["--config.model.scan_layers=false"], ""),
     ("angel-jax batch32", ["--config.train.batch_size=32"], ""),
 ]
+COMBINE_256MIB = " ".join(
+    f"--xla_gpu_{c}_combine_threshold_bytes=268435456"
+    for c in ("all_gather", "reduce_scatter", "all_reduce")
+)
+PIPELINED = " ".join(
+    f"--xla_gpu_enable_pipelined_{c}=true" for c in ("all_gather", "reduce_scatter", "all_reduce")
+)
 # Settings tried against the default (`--sweep`): what each buys goes into the GPU configs.
 SWEEP = [
     ("angel-jax", [], ""),
@@ -37,6 +45,10 @@ SWEEP = [
     ("logits_chunks=4", ["--config.model.logits_chunks=4"], ""),
     ("command buffers off", [], "--xla_gpu_enable_command_buffer="),
     ("batch32", ["--config.train.batch_size=32"], ""),
+    # On several GPUs (overrides such as -- --config.mesh.data=2 --config.zero_stage=3): the
+    # collectives' combining and pipelining (flag names of the XLA in jax 0.11).
+    ("collectives combined to 256 MiB", [], COMBINE_256MIB),
+    ("collectives pipelined", [], PIPELINED),
 ]
 BASELINES = [
     ("plain-jax", ["plain_jax_llama.py"]),
@@ -206,6 +218,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="run the SWEEP settings, no baselines")
     p.add_argument("--out", default=str(ROOT / "experiments/results/throughput_llama_1b.json"))
     p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="config overrides for every run of ours, after --")
     args = p.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.config, args.child, args.steps, args.warmup)), flush=True)
@@ -216,6 +229,7 @@ def main() -> int:
     for name, overrides, xla_flags in SWEEP if args.sweep else VARIANTS:
         if only and name not in only:
             continue
+        overrides = [*overrides, *args.overrides]
         timing = run_ours(args.config, overrides, args.steps, args.warmup, xla_flags)
         results.append({**timing, "system": name, "overrides": overrides, "xla_flags": xla_flags})
         print(json.dumps(results[-1]), flush=True)
