@@ -12,6 +12,7 @@ out-of-memory the planner did not foresee) is recorded and the next goes on.
 import argparse
 import json
 import math
+import resource
 import sys
 import time
 
@@ -98,8 +99,6 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
 def memory_report(event: str) -> None:
     """One stderr line of the device's peak and this process's peak resident host memory: the
     child's log tells which tier ran out if it dies (exit -9 is the kernel's OOM killer)."""
-    import resource
-
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
@@ -124,6 +123,7 @@ def child(a, layers, optimizer, policy) -> dict:
     memory_report("compiled")
     state = exp.init_state()
     memory_report("state initialised")
+    init_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     batches = make_batches(config).iterate(0)
     losses, start = [], time.perf_counter()
     for step in range(a.steps):
@@ -136,6 +136,10 @@ def child(a, layers, optimizer, policy) -> dict:
         finite=all(math.isfinite(x) for x in losses),
         seconds=time.perf_counter() - start,
         peak_device_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+        # Peak resident host memory by the end of the initialisation and of the run (on a CPU
+        # the device tier is host memory too, so these then hold both).
+        init_host_rss_gib=init_rss_gib,
+        peak_host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     )
 
 

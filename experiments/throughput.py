@@ -153,6 +153,7 @@ def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) ->
     stderr."""
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if log:
+        pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(log).write_text(proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
@@ -173,7 +174,7 @@ def machine() -> dict:
         python=platform.python_version(),
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        env={k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))},
+        env={k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "MALLOC_"))},
     )
 
 
