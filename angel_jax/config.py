@@ -503,11 +503,11 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
             f"config.model.max_positions={m.max_positions}; raise max_positions or shorten it"
         )
     splits_sequence = config.mesh.context != 1 or config.mesh.sequence != 1
-    if splits_sequence and (d.packing or family in ("bert", "t5")):
+    if splits_sequence and (d.packing or family != "llama"):
         raise ConfigError(
             f"config.model.family={family} with config.data.packing={d.packing} needs the whole "
-            "sequence per device (masks, bidirectional or cross attention): set "
-            "config.mesh.context=1 and config.mesh.sequence=1"
+            "sequence per device (masks, learned positions, bidirectional or cross attention): "
+            "set config.mesh.context=1 and config.mesh.sequence=1"
         )
     if d.packing and (config.mesh.pipeline > 1 or m.logits_chunks > 1):
         raise ConfigError(

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.config import ConfigError, validate
+from angel_jax.config import ConfigError, objective, validate
 from angel_jax.data.objectives import row_width
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
 from angel_jax.models import example_inputs, make_model
@@ -168,7 +168,7 @@ class Experiment:
         return inputs_BT, targets_BT
 
     def loss(self, params, tokens_BT1: jax.Array):
-        if self.config.model.family != "llama" or self.config.data.packing:
+        if objective(self.config) != "causal" or self.config.data.packing:
             # Rows of the objective's fields (data/objectives.py), not plain token windows.
             loss, metrics, variables = objective_loss(self.model, self.config, params, tokens_BT1)
             return self._with_router_losses(loss, metrics, variables)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from throughput import ROOT, write_results
 
 
 def free_port() -> int:
@@ -157,7 +157,7 @@ def main() -> int:
     print(json.dumps({k: v for k, v in results.items() if not k.startswith("losses")}, indent=1))
     verdict = "equal" if max(diffs) == 0 else f"max relative difference {max(diffs):.1e}"
     print(f"losses, one process vs two: {verdict}")
-    pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_results(args.out, [results])
     return 0 if max(diffs) < 1e-5 else 1
 
 
