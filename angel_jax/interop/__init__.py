@@ -5,7 +5,7 @@ hf.py reads and writes the checkpoint directory format; one module per architect
 tensors to our params. Each such module has:
   model_settings(hf_config: dict, setting: str) -> dict   our config.model settings
   load_params(path, abstract_params, shardings, setting)   our params, sharded as they load
-  save_params(path, params, model_config, dtype, max_shard_bytes)
+  save_params(path, params, model_config)  (Llama's also takes dtype and max_shard_bytes)
 and is listed in CONVERTERS under each Hugging Face `model_type` it reads.
 """
 

@@ -52,6 +52,6 @@ def layer_slices(stacked) -> list:
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
 
 
-def save(path: str | pathlib.Path, config: dict, tensors: dict, max_shard_bytes=None) -> None:
+def save(path: str | pathlib.Path, config: dict, tensors: dict) -> None:
     items = ((name, lambda x=x: np.asarray(x, np.float32)) for name, x in tensors.items())
-    write_checkpoint(path, config, items, max_shard_bytes or DEFAULT_SHARD_BYTES)
+    write_checkpoint(path, config, items, DEFAULT_SHARD_BYTES)

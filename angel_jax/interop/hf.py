@@ -165,8 +165,3 @@ def assemble(
         return np.asarray(read_block(full), dtype=dtype)
 
     return jax.make_array_from_callback(shape, sharding, block)
-
-
-def slice_range(s: slice) -> range:
-    """The positions a concrete slice covers."""
-    return range(s.start, s.stop, s.step or 1)
