@@ -16,6 +16,10 @@ class ConfigError(ValueError):
     """A bad setting or input, reported to the user as one line naming the setting and the fix."""
 
 
+# Choices of config.model.ring_blocks and moe_kernel (angel_jax/kernels.py).
+KERNELS = ("auto", "tokamax", "xla")
+
+
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
@@ -72,9 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
     # REMAT_POLICIES).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
-    # Ring attention's (context axis) block math: xla (einsum) | pallas (kernels_pallas flash
-    # blocks; interpreted on CPU, not yet measured on GPU).
-    c.model.ring_blocks = "xla"
+    # Ring attention's (context axis) block kernels: auto (tokamax's Mosaic GPU flash kernels
+    # where they run, else xla) | tokamax | xla (einsums). angel_jax/kernels.py.
+    c.model.ring_blocks = "auto"
     # LM head + cross entropy over this many slices of the sequence, one at a time (recomputed
     # in the backward pass): the float32 logits of the whole sequence never exist at once.
     c.model.logits_chunks = 1
@@ -83,6 +87,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.experts_per_token = 2
     c.model.moe_ffn_dim = 0  # Each expert's hidden size; 0: ffn_dim.
     c.model.router = "topk"  # topk (capacity, drops) | expert_choice | dropless.
+    # dropless's grouped matmuls: auto (tokamax's Mosaic GPU grouped GEMM where it runs, else
+    # xla) | tokamax | xla (lax.ragged_dot).
+    c.model.moe_kernel = "auto"
     c.model.capacity_factor = 1.25  # Slots per expert over the even share of assignments.
     # Capacity routers move the expert buffers in this many parts, so that one part's
     # all-to-all can overlap another's expert compute.
@@ -401,8 +408,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.pipeline.remat={pc.remat!r}: use one of {', '.join(stage_remats)}"
         )
-    if m.ring_blocks not in ("xla", "pallas"):
-        raise ConfigError(f"config.model.ring_blocks={m.ring_blocks!r}: use xla or pallas")
+    for setting in ("ring_blocks", "moe_kernel"):
+        if m[setting] not in KERNELS:
+            raise ConfigError(f"config.model.{setting}={m[setting]!r}: use {', '.join(KERNELS)}")
     if m.dtype not in ("bfloat16", "float32", "float16"):
         raise ConfigError(f"config.model.dtype={m.dtype!r}: use bfloat16, float16 or float32")
     if t.batch_size % t.microbatches:

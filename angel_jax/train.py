@@ -20,7 +20,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax import sharding
+from angel_jax import kernels, sharding
 from angel_jax.config import ConfigError, objective, validate
 from angel_jax.data.objectives import row_width
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
@@ -676,6 +676,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: str, monitor) -> dic
         f"({mesh.size} {jax.devices()[0].platform} devices), ZeRO-{config.zero_stage}, "
         f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
     )
+    for line in kernels.banner(config.model, mesh.shape["context"] > 1):
+        say(line)
     say(exp.plan.table())
     if exp.pipeline:
         say(exp.pipeline.table())

@@ -1,11 +1,16 @@
-"""Attention TFLOP/s, forward and forward + backward: our Pallas flash block kernels beside
-cuDNN's, per sequence length.
+"""Attention TFLOP/s, forward and forward + backward: ring attention's block kernels
+(angel_jax/kernels.py, tokamax's Mosaic GPU flash kernels) beside cuDNN's, per shape.
 
-    python experiments/attention_kernels.py [--lengths 2048,8192,32768] [--out FILE]
+    python experiments/attention_kernels.py [--shapes 2048:64,8192:64,32768:64,8192:128]
 
-Causal, bf16, 32 heads of 64, about 16k tokens per call (B = 16384 / T); FLOPs counted on the
-causal half for both: 4 * B * T * T * N * H / 2 forward, 2.5 times that more for the backward
-(its five matmuls against the forward's two).
+Shapes are sequence length : head dim; causal, bf16, 32 query heads and 4 KV heads, about 16k
+tokens per call (B = 16384 / T). The ring block is one causal block over the whole sequence,
+run as the ring runs it: the forward returning its log-sum-exp, the backward taking the
+output and log-sum-exp from outside. `ring_diagonal` is the ring's step-0 work on one rank,
+the zigzag pair of chunks cut into three blocks (two causal, one full). FLOPs counted on the
+causal half for all: 4 * B * T * T * N * H / 2 forward, 2.5 times that more for the backward
+(its five matmuls against the forward's two). Each row also counts the compiled programs'
+custom calls (`*_kernels`), to show which kernels ran.
 """
 
 import argparse
@@ -13,7 +18,7 @@ import json
 import sys
 import time
 
-from throughput import ROOT, write_results
+from throughput import ROOT, custom_calls, write_results
 
 
 def timed(fn, *args, reps=10) -> float:
@@ -27,28 +32,43 @@ def timed(fn, *args, reps=10) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def pallas_forward(q, k, v):
-    """Our kernel on (B, T, N, H) inputs, causal over positions 0..T-1."""
-    import jax.numpy as jnp
-
-    from kernels_pallas.flash_block import flash_block_forward
-
-    pos = jnp.arange(q.shape[1])
-    heads_major = lambda x: x.transpose(0, 2, 1, 3)
-    return flash_block_forward(*map(heads_major, (q, k, v)), pos, pos, causal=True)[0]
+def grouped(x, kv_heads):
+    """(B, T, N, H) -> the ring's (B, T, K, G, H)."""
+    b, t, n, h = x.shape
+    return x.reshape(b, t, kv_heads, n // kv_heads, h)
 
 
-def pallas_forward_backward(q, k, v, do):
-    """Our forward and backward kernels (dQ, dK, dV), as ring attention's block step runs them."""
-    import jax.numpy as jnp
+def ring_block_forward(q, k, v):
+    from angel_jax.kernels import tokamax_block
 
-    from kernels_pallas.flash_block import flash_block_backward, flash_block_forward
+    return tokamax_block(grouped(q, k.shape[2]), k, v, True)
 
-    pos = jnp.arange(q.shape[1])
-    q, k, v, do = (x.transpose(0, 2, 1, 3) for x in (q, k, v, do))
-    out, lse = flash_block_forward(q, k, v, pos, pos, causal=True)
-    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)
-    return flash_block_backward(q, k, v, do, lse, delta, pos, pos, causal=True)
+
+def ring_block_forward_backward(q, k, v, do):
+    from angel_jax.kernels import tokamax_block, tokamax_block_grads
+
+    q, do = grouped(q, k.shape[2]), grouped(do, k.shape[2])
+    out, lse = tokamax_block(q, k, v, True)
+    return tokamax_block_grads(q, k, v, do, out, lse, True)
+
+
+def ring_diagonal_forward_backward(q, k, v, do):
+    """The ring's diagonal step through its own code: a one-rank ring over the sequence."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from angel_jax.parallel.attention import _ring_attention_local
+
+    mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    ring = jax.shard_map(
+        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, "tokamax"),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    _, vjp = jax.vjp(ring, grouped(q, k.shape[2]), k, v)
+    return vjp(grouped(do, k.shape[2]))
 
 
 def cudnn_forward_backward(q, k, v, do):
@@ -63,9 +83,9 @@ def cudnn_forward_backward(q, k, v, do):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--shapes", default="2048:64,8192:64,32768:64,8192:128")
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "experiments/results/attention_kernels.json"))
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -73,12 +93,14 @@ def main() -> int:
     import jax.numpy as jnp
 
     results = []
-    for t in map(int, args.lengths.split(",")):
-        b, n, h = max(1, 16384 // t), args.heads, args.head_dim
+    for shape in args.shapes.split(","):
+        t, h = map(int, shape.split(":"))
+        b, n, kv = max(1, 16384 // t), args.heads, args.kv_heads
         keys = jax.random.split(jax.random.key(0), 4)
-        q, k, v, do = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+        q, do = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys[:2])
+        k, v = (jax.random.normal(key, (b, t, kv, h), jnp.bfloat16) for key in keys[2:])
         flops = 4 * b * t * t * n * h / 2
-        row = dict(batch=b, seq_len=t, heads=n, head_dim=h)
+        row = dict(batch=b, seq_len=t, heads=n, kv_heads=kv, head_dim=h)
         cudnn = jax.jit(
             lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="cudnn"
@@ -86,22 +108,39 @@ def main() -> int:
         )
         runs = (
             ("cudnn", cudnn, (q, k, v), flops),
-            ("pallas", jax.jit(pallas_forward), (q, k, v), flops),
+            ("ring_block", jax.jit(ring_block_forward), (q, k, v), flops),
             ("cudnn_fwd_bwd", jax.jit(cudnn_forward_backward), (q, k, v, do), 3.5 * flops),
-            ("pallas_fwd_bwd", jax.jit(pallas_forward_backward), (q, k, v, do), 3.5 * flops),
+            (
+                "ring_block_fwd_bwd",
+                jax.jit(ring_block_forward_backward),
+                (q, k, v, do),
+                3.5 * flops,
+            ),
+            (
+                "ring_diagonal_fwd_bwd",
+                jax.jit(ring_diagonal_forward_backward),
+                (q, k, v, do),
+                3.5 * flops,
+            ),
         )
         for name, fn, args_, work in runs:
             try:
+                row[f"{name}_kernels"] = custom_calls(fn.lower(*args_).compile().as_text())
                 row[f"{name}_tflops"] = work / timed(fn, *args_) / 1e12
             except Exception as e:  # noqa: BLE001 - a kernel that fails to compile is a result.
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(row)
         print(json.dumps(row), flush=True)
-    names = ("cudnn", "pallas", "cudnn_fwd_bwd", "pallas_fwd_bwd")
-    print(f"\nTFLOP/s\n{'seq_len':>8} {'batch':>6}", *(f"{n:>15}" for n in names))
+    names = ("cudnn", "ring_block", "cudnn_fwd_bwd", "ring_block_fwd_bwd", "ring_diagonal_fwd_bwd")
+    print(f"\nTFLOP/s\n{'seq_len':>8} {'hdim':>5} {'batch':>6}", *(f"{n:>22}" for n in names))
     for r in results:
         cells = [f"{r[f'{n}_tflops']:.1f}" if f"{n}_tflops" in r else "failed" for n in names]
-        print(f"{r['seq_len']:>8} {r['batch']:>6}", *(f"{c:>15}" for c in cells))
+        ratio = r.get("ring_block_fwd_bwd_tflops", 0) / r.get("cudnn_fwd_bwd_tflops", 1)
+        print(
+            f"{r['seq_len']:>8} {r['head_dim']:>5} {r['batch']:>6}",
+            *(f"{c:>22}" for c in cells),
+            f"  ring/cudnn fwd+bwd {ratio:.3f}",
+        )
     write_results(args.out, results)
     return 0
 

@@ -24,7 +24,7 @@ def main() -> int:
     p.add_argument("--sequence", type=int, default=1, help="Ulysses all-to-all over N devices")
     p.add_argument("--start", type=int, default=32768)
     p.add_argument("--max", type=int, default=1 << 20)
-    p.add_argument("--ring-blocks", default="xla", choices=("xla", "pallas"))
+    p.add_argument("--ring-blocks", default="auto", choices=("auto", "tokamax", "xla"))
     p.add_argument("--out", default=str(ROOT / "experiments/results/long_context.json"))
     args = p.parse_args()
     results, length, devices = [], args.start, args.context * args.sequence

@@ -3,11 +3,12 @@ parameters, on one GPU or with expert parallel over several.
 
     python experiments/moe_throughput.py [--expert 1] [--dispatch-chunks 1,4] [--out FILE]
 
-MFU counts active parameters only (the experts a token goes through, shared ones included),
-the convention of MaxText's MoE figures. The dense twin is `llama_1b` with its MLP as wide as a
-token's active experts (experts_per_token + shared_experts) x moe_ffn_dim, so both do the same
-matmul FLOPs per token. --expert N shards the experts over N devices (the dense twin runs data
-parallel over the same N); the per-device batch stays the same.
+Each run records the compiled step's custom calls (`kernels`; tokamax's grouped GEMMs are
+Mosaic GPU ones). MFU counts active parameters only (the experts a token goes through, shared
+ones included), the convention of MaxText's MoE figures. The dense twin is `llama_1b` with its
+MLP as wide as a token's active experts (experts_per_token + shared_experts) x moe_ffn_dim, so
+both do the same matmul FLOPs per token. --expert N shards the experts over N devices (the
+dense twin runs data parallel over the same N); the per-device batch stays the same.
 """
 
 import argparse
@@ -27,6 +28,11 @@ def main() -> int:
         default="1",
         help="comma-separated config.model.moe_dispatch_chunks to run the capacity routers with",
     )
+    p.add_argument(
+        "--moe-kernels",
+        default="auto",
+        help="comma-separated config.model.moe_kernel to run dropless with (auto | tokamax | xla)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
     a = p.parse_args()
@@ -38,21 +44,26 @@ def main() -> int:
     batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}"]
     runs = []
     for router in a.routers.split(","):
-        for chunks in a.dispatch_chunks.split(",") if router != "dropless" else ["1"]:
-            runs.append(
-                (
-                    f"moe_1b {router} expert={a.expert}"
-                    + (f" chunks={chunks}" if chunks != "1" else ""),
-                    "configs/moe_1b.py",
-                    [
-                        *batch,
-                        f"--config.model.router={router}",
-                        f"--config.model.moe_dispatch_chunks={chunks}",
-                        f"--config.mesh.expert={a.expert}",
-                        "--config.mesh.data=1",
-                    ],
+        dropless = router == "dropless"
+        for chunks in ["1"] if dropless else a.dispatch_chunks.split(","):
+            for kernel in a.moe_kernels.split(",") if dropless else ["auto"]:
+                runs.append(
+                    (
+                        f"moe_1b {router}"
+                        + (f" ({kernel})" if dropless else "")
+                        + f" expert={a.expert}"
+                        + (f" chunks={chunks}" if chunks != "1" else ""),
+                        "configs/moe_1b.py",
+                        [
+                            *batch,
+                            f"--config.model.router={router}",
+                            f"--config.model.moe_dispatch_chunks={chunks}",
+                            f"--config.model.moe_kernel={kernel}",
+                            f"--config.mesh.expert={a.expert}",
+                            "--config.mesh.data=1",
+                        ],
+                    )
                 )
-            )
     runs.append(
         (
             f"dense twin (ffn {active_ffn}) data={a.expert}",
@@ -65,8 +76,8 @@ def main() -> int:
         timing = run_ours(str(ROOT / config), overrides, a.steps, warmup=2)
         results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
+        write_results(a.out, results)  # After each run: a run cut short keeps the others.
     print_table(results)
-    write_results(a.out, results)
     return 0
 
 

@@ -10,11 +10,14 @@ peak memory, and each system's ratio to the plain JAX baseline.
 """
 
 import argparse
+import collections
 import datetime
+import gzip
 import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -83,6 +86,15 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
+    kernels = {}
+    if hasattr(train_step, "as_text"):  # A compiled step (not the streamed-offload loop).
+        text = train_step.as_text()
+        kernels = custom_calls(text)
+        if os.environ.get("THROUGHPUT_HLO_DIR"):  # For reading which kernels ran, later.
+            name = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(overrides))[-120:]
+            path = pathlib.Path(os.environ["THROUGHPUT_HLO_DIR"]) / f"{name}.hlo.txt.gz"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(gzip.compress(text.encode()))
     if steps == 0:  # The broken-down step is the timed one.
         step_s = breakdown["compute_s"] + breakdown["update_s"]
     loss = float(metrics["loss"])
@@ -100,8 +112,15 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,
+        kernels=kernels,
         **breakdown,
     )
+
+
+def custom_calls(hlo_text: str) -> dict:
+    """Custom-call targets of a compiled program (its HLO text) with counts: which kernels
+    (cuBLAS, cuDNN, Mosaic GPU, ...) it runs."""
+    return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
 
 
 def offload_breakdown(exp, state, batch) -> dict:

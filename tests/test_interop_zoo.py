@@ -4,14 +4,19 @@ imported into our params (sharded), logits compared in float32; export round-tri
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-import transformers
+import pytest
 from safetensors.numpy import load_file
 
 from angel_jax.config import default_config
 from angel_jax.interop import gpt2 as gpt2_interop
 from angel_jax.mesh import make_mesh
 from angel_jax.train import build
+
+# The references are transformers models in PyTorch, whose CPU wheel on our machines is for
+# Python 3.11: .ci/run runs these in an environment of their own (requirements-torch.txt).
+torch = pytest.importorskip("torch", reason="needs PyTorch: pip install -r requirements-torch.txt")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf_reference
 
 
 def experiment(settings: dict):

@@ -7,8 +7,9 @@ how the batch is split over devices):
                  the rest are dropped (their share of the output is zero; the residual carries
                  the token);
   expert_choice  each expert picks its `capacity` best tokens of the group (Zhou et al. 2022);
-  dropless       topk with no capacity: assignments sorted by expert, experts applied with a
-                 grouped matmul (`jax.lax.ragged_dot`).
+  dropless       topk with no capacity: assignments sorted by expert, experts applied with
+                 grouped matmuls (tokamax's Mosaic GPU grouped GEMM or `jax.lax.ragged_dot`,
+                 `config.model.moe_kernel`).
 Expert parallel: the experts' weights are split over `expert`, and so are the tokens (the
 batch axis spans `data` and `expert`). Capacity routers move each group's (expert, slot) buffers
 to the experts' ranks with one all-to-all and back with another; dropless gathers the tokens
@@ -32,9 +33,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
+from angel_jax.kernels import ragged_dot
 
 F32 = jnp.float32
 
@@ -111,22 +114,29 @@ def _swiglu(x, gate, up, down):
     return jnp.einsum("...ecf,efd->...ecd", h, down)
 
 
-def _dropless(x_ND, top_e, top_p, gate, up, down, first: int):
-    """Outputs (N, D) of the experts first..first+E_local over rows x with their top-K
-    choices: assignments sorted by expert, grouped matmuls, weighted sum back per row."""
+def _dropless(x_ND, top_e, top_p, gate, up, down, first: int, kernel: str):
+    """Outputs (N, D) f32 of the experts first..first+E_local over rows x with their top-K
+    choices: assignments sorted by expert, grouped matmuls (`kernels.ragged_dot`), the outputs
+    put back in assignment order and weighted per row. Sorting and unsorting are gathers by
+    permutations (their transposes scatter without collisions), not scatter-adds."""
     n, k = top_e.shape
     local = gate.shape[0]
     flat_e = top_e.reshape(-1) - first
     mine = (flat_e >= 0) & (flat_e < local)
-    key = jnp.where(mine, flat_e, local)  # Other ranks' experts sort last.
-    order = jnp.argsort(key, stable=True)
-    rows = order // k
-    sizes = jnp.sum(jax.nn.one_hot(key, local + 1, dtype=jnp.int32), axis=0)[:local]
-    xs = x_ND[rows]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
-    out = jax.lax.ragged_dot(h, down, sizes)  # Rows past the local groups come out zero.
-    weight = jnp.where(mine, top_p.reshape(-1), 0.0)[order]
-    return jnp.zeros_like(x_ND, F32).at[rows].add(out.astype(F32) * weight[:, None])
+    key = jnp.where(mine, flat_e, local)  # Other ranks' experts sort last, past the groups.
+    order = jnp.argsort(key, stable=True)  # Sorted slot -> assignment (row * K + choice).
+    sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+    permute = lambda a, idx: a.at[idx].get(unique_indices=True)
+    xs = permute(jnp.repeat(x_ND, k, axis=0), order)
+    # Named for the remat policies. The down projection is recomputed in the backward pass
+    # (the router's gradient needs it): keeping it too took moe_1b past one H200's memory.
+    grouped = lambda a, w: checkpoint_name(ragged_dot(a, w, sizes, kernel), "experts")
+    h = jax.nn.silu(grouped(xs, gate)) * grouped(xs, up)
+    out = ragged_dot(h, down, sizes, kernel)  # Rows past the local groups are zero.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k), unique_indices=True)
+    unsorted = permute(out, inverse).reshape(n, k, -1)
+    weight = jnp.where(mine, top_p.reshape(-1), 0.0).reshape(n, k, 1)
+    return jnp.sum(unsorted.astype(F32) * weight, axis=1)
 
 
 class MoE(nn.Module):
@@ -139,6 +149,7 @@ class MoE(nn.Module):
     capacity_factor: float = 1.25
     dtype: jnp.dtype = jnp.bfloat16
     dispatch_chunks: int = 1  # Parts of the slot buffers moved one after another.
+    kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax" (angel_jax/kernels.py).
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -161,6 +172,7 @@ class MoE(nn.Module):
             self.experts_per_token,
             self.capacity_factor,
             self.dispatch_chunks,
+            self.kernel,
         )
         z, balance = router_losses(logits, load)
         return y.astype(x_BTD.dtype), dict(
@@ -168,7 +180,7 @@ class MoE(nn.Module):
         )
 
 
-def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
+def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1, kernel="xla"):
     """The routed expert outputs (B, T, D) f32, the load per expert (assignments, summed over
     the batch) and the number of dropped assignments, over the active mesh's `expert` axis (and
     `tensor` inside each expert) when the rules split the experts, else on one device.
@@ -235,13 +247,13 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1):
         load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
         rows = lambda a: a.reshape(-1, *a.shape[2:])
         if not split:
-            out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0)
+            out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0, kernel)
             return out.reshape(x.shape), load, jnp.zeros((), F32)
         # Every rank of the expert group sees the group's tokens, applies its experts.
         gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)
         first = jax.lax.axis_index("expert") * gate.shape[0]
         out = _dropless(
-            rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first
+            rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first, kernel
         )
         out = jax.lax.psum(out, "tensor")
         out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)

@@ -8,6 +8,7 @@ import ml_collections
 from flax import linen as nn
 
 from angel_jax.config import ConfigError, head_dim
+from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
@@ -24,16 +25,22 @@ def flash_attention_saveable(prim, *_, **__) -> bool:
     return prim.name.startswith("dot_product_attention_fwd")
 
 
+_policies = jax.checkpoint_policies
+_both = _policies.save_from_both_policies
+# dropless MoE's grouped matmuls (layers/moe.py names them): not dot_general, so the dots
+# policies would recompute them in the backward pass.
+_experts = _policies.save_only_these_names("experts")
+
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _policies.nothing_saveable,
+    "dots": _both(_policies.checkpoint_dots, _experts),
+    "dots_no_batch": _both(_policies.dots_with_no_batch_dims_saveable, _experts),
     # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch).
-    "dots_attention": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, flash_attention_saveable
+    "dots_attention": _both(
+        _both(_policies.dots_with_no_batch_dims_saveable, flash_attention_saveable), _experts
     ),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
-    "offload_dots": jax.checkpoint_policies.save_and_offload_only_these_names(
+    "offload_dots": _policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[],
         names_which_can_be_offloaded=list(OFFLOADABLE),
         offload_src="device",
@@ -71,7 +78,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     remat: str = "none"
     attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
-    ring_blocks: str = "xla"  # Ring attention's block math: "xla" or "pallas".
+    ring_blocks: str = "xla"  # Ring attention's block kernels: "xla" or "tokamax".
     logits_chunks: int = 1  # LM head + loss over this many sequence slices, one at a time.
     num_experts: int = 0  # Mixture of experts in the MLPs; 0: dense.
     experts_per_token: int = 2
@@ -79,6 +86,7 @@ class LlamaConfig:
     router: str = "topk"
     capacity_factor: float = 1.25
     moe_dispatch_chunks: int = 1
+    moe_kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax".
     shared_experts: int = 0
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
@@ -113,7 +121,8 @@ class LlamaConfig:
             moe_dispatch_chunks=model.moe_dispatch_chunks,
             shared_experts=model.shared_experts,
             attention=None if attention == "xla" else attention,
-            ring_blocks=model.ring_blocks,
+            ring_blocks=choose("ring_blocks", model.ring_blocks)[0],
+            moe_kernel=choose("moe_kernel", model.moe_kernel)[0],
             scan_layers=model.scan_layers,
         )
 
@@ -178,6 +187,7 @@ class DecoderLayer(nn.Module):
             cfg.capacity_factor,
             dtype,
             cfg.moe_dispatch_chunks,
+            cfg.moe_kernel,
             name="moe",
         )(x)
         if cfg.shared_experts:

@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
+from angel_jax.kernels import RING_BLOCKS
 from angel_jax.sharding import shard_map_mesh
-from kernels_pallas.flash_block import flash_block_backward, flash_block_forward
 
 F32 = jnp.float32
 
@@ -44,19 +44,6 @@ def zigzag_order(length: int, ranks: int) -> np.ndarray:
     return np.concatenate([chunks[[i, 2 * ranks - 1 - i]].ravel() for i in range(ranks)])
 
 
-def _block(q, k, v, q_pos, k_pos, causal):
-    """Attention of a query block to a key block: (out f32 (B,Tq,K,G,H), lse f32 (B,K,G,Tq)).
-    Masked rows (no visible key) get lse = -inf and out = 0."""
-    scale = q.shape[-1] ** -0.5
-    s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=F32) * scale
-    if causal:
-        s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-    out = jnp.einsum("bkgqs,bskh->bqkgh", p.astype(v.dtype), v, preferred_element_type=F32)
-    return out, lse
-
-
 def _merge(out, lse, out_b, lse_b):
     """Combines two partial softmax attentions of the same queries over disjoint keys."""
     new = jnp.logaddexp(lse, lse_b)
@@ -64,62 +51,6 @@ def _merge(out, lse, out_b, lse_b):
     w, w_b = jnp.exp(lse - safe), jnp.exp(lse_b - safe)  # (B,K,G,Tq)
     to_out = lambda w: jnp.moveaxis(w, -1, 1)[..., None]  # -> (B,Tq,K,G,1)
     return out * to_out(w) + out_b * to_out(w_b), new
-
-
-def _block_grads(q, k, v, do, lse, delta, q_pos, k_pos, causal):
-    """(dq, dk, dv) in f32 of one block, given the final lse and delta = sum(do * out)."""
-    scale = q.shape[-1] ** -0.5
-    s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=F32) * scale
-    if causal:
-        s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, -jnp.inf)
-    p = jnp.exp(s - lse[..., None])
-    dv = jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do.dtype), do, preferred_element_type=F32)
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v, preferred_element_type=F32)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("bkgqs,bskh->bqkgh", ds, k.astype(F32))
-    dk = jnp.einsum("bkgqs,bqkgh->bskh", ds, q.astype(F32))
-    return dq, dk, dv
-
-
-def _pallas_block(q, k, v, q_pos, k_pos, causal):
-    """`_block` through the Pallas flash kernel (its layouts are head-major)."""
-    b, t, kh, g, h = q.shape
-    out, lse = flash_block_forward(
-        _heads_major(q),
-        k.transpose(0, 2, 1, 3),
-        v.transpose(0, 2, 1, 3),
-        q_pos,
-        k_pos,
-        causal=causal,
-    )
-    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4), lse.reshape(b, kh, g, t)
-
-
-def _pallas_block_grads(q, k, v, do, lse, delta, q_pos, k_pos, causal):
-    """`_block_grads` through the Pallas flash kernels."""
-    b, t, kh, g, h = q.shape
-    dq, dk, dv = flash_block_backward(
-        _heads_major(q),
-        k.transpose(0, 2, 1, 3),
-        v.transpose(0, 2, 1, 3),
-        _heads_major(do),
-        lse.reshape(b, kh * g, t),
-        delta.reshape(b, kh * g, t),
-        q_pos,
-        k_pos,
-        causal=causal,
-    )
-    back = lambda x: x.transpose(0, 2, 1, 3)
-    return dq.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4), back(dk), back(dv)
-
-
-def _heads_major(x):
-    """(B, T, K, G, H) -> (B, K*G, T, H)."""
-    b, t, kh, g, h = x.shape
-    return x.transpose(0, 2, 3, 1, 4).reshape(b, kh * g, t, h)
-
-
-BLOCKS = {"xla": (_block, _block_grads), "pallas": (_pallas_block, _pallas_block_grads)}
 
 
 class _Ring:
@@ -132,106 +63,110 @@ class _Ring:
         self.rank = jax.lax.axis_index(axis)
         self.c = length // 2
 
-    def positions(self, rank):
-        """Global positions of a rank's tokens (zigzag chunks rank and 2N-1-rank)."""
-        first = jnp.arange(self.c) + rank * self.c
-        return jnp.concatenate([first, first + (2 * self.n - 1 - 2 * rank) * self.c])
-
     def send(self, tree):
         perm = [(i, (i + 1) % self.n) for i in range(self.n)]
         return jax.lax.ppermute(tree, self.axis, perm)
 
-    def pairs(self, step):
-        """The blocks to compute at `step`, as a branch index and the source rank: 0 the
-        diagonal (step 0), 1 all queries x the first key chunk (source before this rank),
-        2 the second query chunk x all keys (source after); non-causal: always 3 (all x all)."""
-        src = (self.rank - step) % self.n
+    def branch(self, step):
+        """The blocks to compute at `step`, as a branch index: 0 the diagonal (step 0), 1 all
+        queries x the first key chunk (the source rank is before this one), 2 the second query
+        chunk x all keys (after); non-causal: always 3 (all x all)."""
         if not self.causal:
-            return jnp.int32(3), src
-        branch = jnp.where(step == 0, 0, jnp.where(src < self.rank, 1, 2))
-        return branch, src
+            return jnp.int32(3)
+        src = (self.rank - step) % self.n
+        return jnp.where(step == 0, 0, jnp.where(src < self.rank, 1, 2))
 
 
 def _ring_forward(q, k, v, axis, causal, blocks_impl):
-    block, block_grads = BLOCKS[blocks_impl]
+    kernel, _ = RING_BLOCKS[blocks_impl]
+
+    def block(*args):  # Outputs widened to float32, in which the ring merges them.
+        out, lse = kernel(*args)
+        return out.astype(F32), lse
+
     ring = _Ring(axis, causal, q.shape[1])
-    c, q_pos = ring.c, ring.positions(ring.rank)
+    c = ring.c
 
-    def blocks(branch, kv, src):
-        """(out, lse) over all local queries from this key/value chunk (zeros/-inf where a
-        branch leaves queries out)."""
+    def blocks(branch, kv):
+        """(out, lse) over all local queries from this key/value chunk pair (zeros/-inf where
+        a branch leaves queries out). Every block is fully visible or causal with aligned
+        chunks, which is what flash kernels take."""
         k, v = kv
-        k_pos = ring.positions(src)
-        none = (
-            jnp.zeros(q.shape, F32),
-            jnp.full((q.shape[0], q.shape[2], q.shape[3], q.shape[1]), -jnp.inf, F32),
-        )
 
-        def diagonal():  # Causal within the local pair of chunks.
-            return block(q, k, v, q_pos, k_pos, True)
+        def diagonal():
+            # The first query chunk sees the first key chunk causally; the second (later in
+            # the sequence) sees the first whole and the second causally.
+            out_a, lse_a = block(q[:, :c], k[:, :c], v[:, :c], True)
+            out_b, lse_b = _merge(
+                *block(q[:, c:], k[:, :c], v[:, :c], False),
+                *block(q[:, c:], k[:, c:], v[:, c:], True),
+            )
+            return jnp.concatenate([out_a, out_b], 1), jnp.concatenate([lse_a, lse_b], -1)
 
-        def before():  # Every local query sees key chunk `src` (the first of its pair).
-            return block(q, k[:, :c], v[:, :c], q_pos, k_pos[:c], False)
+        def before():  # Every local query sees the first key chunk of the pair.
+            return block(q, k[:, :c], v[:, :c], False)
 
         def after():  # Only the second query chunk sees the pair, both chunks of it.
-            out, lse = block(q[:, c:], k, v, q_pos[c:], k_pos, False)
-            return (
-                none[0].at[:, c:].set(out),
-                none[1].at[..., c:].set(lse),
-            )
+            out, lse = block(q[:, c:], k, v, False)
+            none_out = jnp.zeros_like(out)
+            none_lse = jnp.full(lse.shape, -jnp.inf, F32)
+            return jnp.concatenate([none_out, out], 1), jnp.concatenate([none_lse, lse], -1)
 
         def full():
-            return block(q, k, v, q_pos, k_pos, False)
+            return block(q, k, v, False)
 
         return jax.lax.switch(branch, (diagonal, before, after, full))
 
     def step(s, carry):
         out, lse, kv = carry
         incoming = ring.send(kv)  # Overlaps with this step's blocks.
-        branch, src = ring.pairs(s)
-        out_b, lse_b = blocks(branch, kv, src)
-        out, lse = _merge(out, lse, out_b, lse_b)
+        out, lse = _merge(out, lse, *blocks(ring.branch(s), kv))
         return out, lse, incoming
 
-    branch, src = ring.pairs(0)
-    out, lse = blocks(branch, (k, v), src)
+    out, lse = blocks(ring.branch(0), (k, v))
     incoming = ring.send((k, v))
     out, lse, _ = jax.lax.fori_loop(1, ring.n, step, (out, lse, incoming))
     return out, lse
 
 
 def _ring_backward(q, k, v, out, lse, do, axis, causal, blocks_impl):
-    block, block_grads = BLOCKS[blocks_impl]
+    _, kernel = RING_BLOCKS[blocks_impl]
+    block_grads = lambda *a: tuple(g.astype(F32) for g in kernel(*a))  # Summed over the ring.
     ring = _Ring(axis, causal, q.shape[1])
-    c, q_pos = ring.c, ring.positions(ring.rank)
-    delta = jnp.einsum("bqkgh,bqkgh->bkgq", do.astype(F32), out)
+    c = ring.c
+    first, second = (lambda x: x[:, :c]), (lambda x: x[:, c:])
+    lse_first, lse_second = lse[..., :c], lse[..., c:]
+    cat = lambda a, b: jnp.concatenate([a, b], axis=1)
 
-    def grads(branch, k, v, src):
-        k_pos = ring.positions(src)
-
-        def diagonal():
-            return block_grads(q, k, v, do, lse, delta, q_pos, k_pos, True)
+    def grads(branch, k, v):
+        def diagonal():  # The forward's three blocks.
+            dq_a, dk_a, dv_a = block_grads(
+                first(q), first(k), first(v), first(do), first(out), lse_first, True
+            )
+            dq_b1, dk_b1, dv_b1 = block_grads(
+                second(q), first(k), first(v), second(do), second(out), lse_second, False
+            )
+            dq_b2, dk_b2, dv_b2 = block_grads(
+                second(q), second(k), second(v), second(do), second(out), lse_second, True
+            )
+            return cat(dq_a, dq_b1 + dq_b2), cat(dk_a + dk_b1, dk_b2), cat(dv_a + dv_b1, dv_b2)
 
         def before():
-            dq, dk, dv = block_grads(q, k[:, :c], v[:, :c], do, lse, delta, q_pos, k_pos[:c], False)
-            pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-            return dq, pad(dk), pad(dv)
+            dq, dk, dv = block_grads(q, first(k), first(v), do, out, lse, False)
+            return dq, cat(dk, jnp.zeros_like(dk)), cat(dv, jnp.zeros_like(dv))
 
         def after():
-            dq, dk, dv = block_grads(
-                q[:, c:], k, v, do[:, c:], lse[..., c:], delta[..., c:], q_pos[c:], k_pos, False
-            )
-            return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+            dq, dk, dv = block_grads(second(q), k, v, second(do), second(out), lse_second, False)
+            return cat(jnp.zeros_like(dq), dq), dk, dv
 
         def full():
-            return block_grads(q, k, v, do, lse, delta, q_pos, k_pos, False)
+            return block_grads(q, k, v, do, out, lse, False)
 
         return jax.lax.switch(branch, (diagonal, before, after, full))
 
     def step(s, carry):
         dq, k, v, dk, dv = carry
-        branch, src = ring.pairs(s)
-        dq_b, dk_b, dv_b = grads(branch, k, v, src)
+        dq_b, dk_b, dv_b = grads(ring.branch(s), k, v)
         # The chunk moves on with its grads so far; after the last step one more hop
         # brings every chunk's dK/dV home.
         return (dq + dq_b, *ring.send((k, v, dk + dk_b, dv + dv_b)))
@@ -281,8 +216,8 @@ def sequence_parallel_attention(
     """Attention of global q (B, T, N, H) and k, v (B, T, K, H) laid out by `spec`, whose
     length entry names `context` and/or `sequence` (in that order). With `context`, the
     sequence must be in `zigzag_order` when causal. `implementation` picks the local attention
-    (`jax.nn.dot_product_attention`'s) without a ring, `ring_blocks` the ring's block math
-    ("xla" or "pallas"). Returns (B, T, N, H) like q."""
+    (`jax.nn.dot_product_attention`'s) without a ring, `ring_blocks` the ring's block kernels
+    ("xla" or "tokamax", angel_jax/kernels.py). Returns (B, T, N, H) like q."""
     length_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
     ring = "context" in length_axes and mesh.shape["context"] > 1
     ulysses = "sequence" in length_axes and mesh.shape["sequence"] > 1

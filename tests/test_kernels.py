@@ -1,0 +1,210 @@
+"""Kernel choice (angel_jax/kernels.py): what auto picks, loud refusals, the grouped matmul's
+handling of rows past its groups, and, on a GPU with tokamax, its kernels against XLA's.
+
+The tokamax tests need its Mosaic GPU kernels (an sm90/sm100 GPU, Python >= 3.12): elsewhere
+they are skipped with the reason (`pytest -rs` lists it). They ran on an H200
+(experiments/results/attention_kernels.json records the run).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from angel_jax import kernels
+from angel_jax.config import ConfigError, default_config, validate
+from angel_jax.layers import moe
+
+tokamax_gpu = pytest.mark.skipif(
+    kernels.tokamax_missing() is not None,
+    reason=f"tokamax's Mosaic GPU kernels cannot run here: {kernels.tokamax_missing()}",
+)
+
+
+def test_auto_picks_xla_off_a_gpu_and_an_explicit_tokamax_is_refused():
+    if kernels.tokamax_missing() is None:
+        pytest.skip("tokamax runs here: auto picks it (test_tokamax_* check it)")
+    assert kernels.choose("moe_kernel", "auto") == ("xla", None)
+    assert kernels.choose("ring_blocks", "xla") == ("xla", None)
+    with pytest.raises(ConfigError, match=r"config.model.moe_kernel=tokamax needs .* use"):
+        kernels.choose("moe_kernel", "tokamax")
+    config = default_config()
+    config.model.ring_blocks = "pallas"
+    with pytest.raises(ConfigError, match=r"ring_blocks='pallas': use auto, tokamax, xla"):
+        validate(config)
+
+
+def test_banner_names_the_kernels_a_run_uses():
+    model = default_config().model
+    assert kernels.banner(model, ring=False) == []  # Dense, no ring: nothing to choose.
+    model.num_experts, model.router = 4, "dropless"
+    (line,) = kernels.banner(model, ring=True)
+    expected = "tokamax" if kernels.tokamax_missing() is None else "xla"
+    assert line == f"kernels: ring attention blocks {expected}, MoE grouped GEMMs {expected}"
+
+
+def _poisoned_ragged_dot(monkeypatch):
+    """lax.ragged_dot as tokamax's kernel behaves: rows past the groups unwritten (NaN here),
+    in its output and in the backward's dx."""
+    real = jax.lax.ragged_dot
+
+    def poison(rows, sizes):
+        past = (jnp.arange(rows.shape[0]) >= jnp.sum(sizes))[:, None]
+        return jnp.where(past, jnp.nan, rows)
+
+    @jax.custom_vjp
+    def fake(x, w, sizes):
+        return poison(real(x, w, sizes), sizes)
+
+    def fwd(x, w, sizes):
+        return fake(x, w, sizes), (x, w, sizes)
+
+    def bwd(residuals, dout):
+        x, w, sizes = residuals
+        _, vjp = jax.vjp(lambda x, w: real(x, w, sizes), x, w)
+        dx, dw = vjp(dout)
+        return poison(dx, sizes), dw, None
+
+    fake.defvjp(fwd, bwd)
+    monkeypatch.setattr(jax.lax, "ragged_dot", fake)
+
+
+def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch):
+    """Expert parallel leaves other ranks' assignments past this rank's groups: what the
+    kernel leaves there must not leak into the outputs or the input grads."""
+    _poisoned_ragged_dot(monkeypatch)
+    n, d, f, k, experts, first, local = 24, 8, 16, 2, 6, 2, 3  # This rank: experts 2..4.
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (n, d))
+    top_e = jax.random.randint(keys[1], (n, k), 0, experts)
+    top_p = jax.random.uniform(keys[2], (n, k))
+    gate, up = (jax.random.normal(key, (local, d, f)) / d**0.5 for key in keys[3:5])
+    down = jnp.swapaxes(gate, 1, 2)
+
+    def ours(x, gate, up, down):
+        return moe._dropless(x, top_e, top_p, gate, up, down, first, "xla")
+
+    def dense(x, gate, up, down):  # Every local expert on every row, weighted by its choices.
+        h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
+        out = jnp.einsum("enf,efd->end", h, down)
+        chosen = jax.nn.one_hot(top_e - first, local) * top_p[..., None]  # (N, K, E_local)
+        return jnp.einsum("end,nke->nd", out, chosen)
+
+    assert (top_e < first).any() and (top_e >= first + local).any()  # Some are elsewhere.
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) ** 2)
+    with jax.default_matmul_precision("highest"):  # No TF32 where this runs on a GPU.
+        np.testing.assert_allclose(ours(x, gate, up, down), dense(x, gate, up, down), atol=1e-5)
+        grads = jax.grad(loss(ours), (0, 1, 2, 3))(x, gate, up, down)
+        ref = jax.grad(loss(dense), (0, 1, 2, 3))(x, gate, up, down)
+    for g, r in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def _attention_inputs(b=2, t=512, kv=4, group=2, h=64, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, kv, group, h), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, t, kv, h), jnp.bfloat16) for key in keys[1:3])
+    do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    return q, k, v, do
+
+
+def _close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_less(np.linalg.norm(a - b) / np.linalg.norm(b), tol)
+
+
+@tokamax_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_tokamax_blocks_equal_xla_blocks(causal):
+    """Forward (output and lse) of one block, and the grads of a block that is one of two over
+    the same queries, taken from the merged output and lse as the ring passes them."""
+    q, k, v, do = _attention_inputs()
+    _, k2, v2, _ = _attention_inputs(seed=1)
+    ours, ref = kernels.tokamax_block(q, k, v, causal), kernels.xla_block(q, k, v, causal)
+    for a, b in zip(ours, ref, strict=True):
+        _close(a, b, 1e-2)
+    from angel_jax.parallel.attention import _merge
+
+    out, lse = _merge(*kernels.xla_block(q, k, v, causal), *kernels.xla_block(q, k2, v2, False))
+    ours = kernels.tokamax_block_grads(q, k, v, do, out, lse, causal)
+    ref = kernels.xla_block_grads(q, k, v, do, out, lse, causal)
+    for a, b in zip(ours, ref, strict=True):
+        _close(a, b, 2e-2)
+
+
+@tokamax_gpu
+def test_tokamax_ring_on_one_device_equals_cudnn_attention():
+    """The ring's diagonal step (three tokamax blocks) and its backward, against cuDNN."""
+    from angel_jax.parallel.attention import _ring_attention_local
+
+    q, k, v, do = _attention_inputs(t=1024)
+    b, t, kv, g, h = q.shape
+    mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    ring = jax.shard_map(
+        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, "tokamax"),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+        q.reshape(b, t, kv * g, h), k, v, is_causal=True, implementation="cudnn"
+    ).reshape(q.shape)
+    out, vjp = jax.vjp(jax.jit(ring), q, k, v)
+    ref_out, ref_vjp = jax.vjp(jax.jit(cudnn), q, k, v)
+    _close(out, ref_out, 1e-2)
+    for a, b_ in zip(vjp(do), ref_vjp(do), strict=True):
+        _close(a, b_, 2e-2)
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(ring(*a).astype(jnp.float32)), (0, 1, 2)))
+    text = hlo.lower(q, k, v).compile().as_text()
+    assert "mosaic_gpu" in text, "the ring's blocks did not compile to Mosaic GPU kernels"
+
+
+def _grouped_gemm_errors():
+    """Relative errors against float32 of the value and grads (x, gate, up, down) of a
+    dropless layer in bf16, through tokamax and through XLA, and tokamax's compiled HLO."""
+    n, d, f, k, experts = 2048, 256, 512, 2, 8
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    top_e = jax.random.randint(keys[1], (n, k), 0, experts)
+    top_p = jax.random.uniform(keys[2], (n, k))
+    gate, up = (jax.random.normal(key, (experts, d, f), jnp.bfloat16) / 16 for key in keys[3:5])
+    down = jnp.swapaxes(gate, 1, 2)
+
+    def loss(kernel):
+        def fn(x, gate, up, down):
+            out = moe._dropless(x, top_e, top_p, gate, up, down, 0, kernel)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        return jax.jit(jax.value_and_grad(fn, (0, 1, 2, 3)))
+
+    args = (x, gate, up, down)
+    with jax.default_matmul_precision("highest"):
+        exact = loss("xla")(*(a.astype(jnp.float32) for a in args))
+    error = lambda got: [
+        float(np.linalg.norm(np.float32(a) - b) / np.linalg.norm(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact), strict=True)
+    ]
+    hlo = loss("tokamax").lower(*args).compile().as_text()
+    return error(loss("tokamax")(*args)), error(loss("xla")(*args)), hlo
+
+
+@tokamax_gpu
+def test_tokamax_grouped_gemm_is_compiled_in_and_equals_xla_in_value_and_dx():
+    ours, xla, hlo = _grouped_gemm_errors()
+    assert "mosaic_gpu" in hlo, "the grouped GEMMs did not compile to tokamax's kernels"
+    # Both in bf16: as close to the float32 result as XLA's.
+    assert all(o < 2 * r + 5e-3 for o, r in zip(ours[:2], xla[:2], strict=True)), (ours, xla)
+
+
+@tokamax_gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="tokamax 0.0.17's ragged-contracting kernel (dW) is less accurate than XLA's: on "
+    "an H200, 1.3% relative error at moe_1b's shape and 4-5% with 512-row groups, against "
+    "0.02% (aligned group sizes the same); its dX and forward match",
+)
+def test_tokamax_grouped_gemm_weight_grads_are_as_accurate_as_xla():
+    ours, xla, _ = _grouped_gemm_errors()
+    assert all(o < 2 * r + 5e-3 for o, r in zip(ours[2:], xla[2:], strict=True)), (ours, xla)
