@@ -12,6 +12,7 @@ dense twin runs data parallel over the same N); the per-device batch stays the s
 """
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -33,6 +34,12 @@ def main() -> int:
         default="auto",
         help="comma-separated config.model.moe_kernel to run dropless with (auto | tokamax | xla)",
     )
+    p.add_argument(
+        "--dense-shares",
+        default="",
+        help="comma-separated config.model.moe_dense_share to run dropless with (default: "
+        "the config's)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
     a = p.parse_args()
@@ -46,12 +53,13 @@ def main() -> int:
     for router in a.routers.split(","):
         dropless = router == "dropless"
         for chunks in ["1"] if dropless else a.dispatch_chunks.split(","):
-            for kernel in a.moe_kernels.split(",") if dropless else ["auto"]:
+            kernels = a.moe_kernels.split(",") if dropless else ["auto"]
+            shares = a.dense_shares.split(",") if dropless and a.dense_shares else [None]
+            for kernel, share in itertools.product(kernels, shares):
+                label = f" ({kernel}, dense share {share})" if share else f" ({kernel})"
                 runs.append(
                     (
-                        f"moe_1b {router}"
-                        + (f" ({kernel})" if dropless else "")
-                        + f" expert={a.expert}"
+                        f"moe_1b {router}{label if dropless else ''} expert={a.expert}"
                         + (f" chunks={chunks}" if chunks != "1" else ""),
                         "configs/moe_1b.py",
                         [
@@ -59,6 +67,7 @@ def main() -> int:
                             f"--config.model.router={router}",
                             f"--config.model.moe_dispatch_chunks={chunks}",
                             f"--config.model.moe_kernel={kernel}",
+                            *([f"--config.model.moe_dense_share={share}"] if share else []),
                             f"--config.mesh.expert={a.expert}",
                             "--config.mesh.data=1",
                         ],

@@ -70,9 +70,11 @@ def _poisoned_ragged_dot(monkeypatch):
     monkeypatch.setattr(jax.lax, "ragged_dot", fake)
 
 
-def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch):
-    """Expert parallel leaves other ranks' assignments past this rank's groups: what the
-    kernel leaves there must not leak into the outputs or the input grads."""
+@pytest.mark.parametrize("dense_rows", [0, 8])
+def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch, dense_rows):
+    """Expert parallel leaves other ranks' assignments past this rank's groups, and the dense
+    matmul's rows leave the grouped GEMMs' tail empty: what the kernel leaves there must not
+    leak into the outputs or the input grads."""
     _poisoned_ragged_dot(monkeypatch)
     n, d, f, k, experts, first, local = 24, 8, 16, 2, 6, 2, 3  # This rank: experts 2..4.
     keys = jax.random.split(jax.random.key(0), 5)
@@ -83,7 +85,7 @@ def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch):
     down = jnp.swapaxes(gate, 1, 2)
 
     def ours(x, gate, up, down):
-        return moe._dropless(x, top_e, top_p, gate, up, down, first, "xla")
+        return moe._dropless(x, top_e, top_p, gate, up, down, first, "xla", dense_rows)
 
     def dense(x, gate, up, down):  # Every local expert on every row, weighted by its choices.
         h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)

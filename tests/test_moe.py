@@ -16,6 +16,7 @@ from angel_jax.layers.moe import (
     MoE,
     capacity,
     combine,
+    dense_rows,
     dispatch,
     route_expert_choice,
     route_topk,
@@ -29,9 +30,16 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
-def layer(router, k=2, factor=1.25, chunks=1):
+def layer(router, k=2, factor=1.25, chunks=1, dense_share=0.0):
     return MoE(
-        8, k, 32, router=router, capacity_factor=factor, dtype=jnp.float32, dispatch_chunks=chunks
+        8,
+        k,
+        32,
+        router=router,
+        capacity_factor=factor,
+        dtype=jnp.float32,
+        dispatch_chunks=chunks,
+        dense_share=dense_share,
     )
 
 
@@ -78,13 +86,20 @@ def test_capacity_routers_equal_one_hot_dispatch():
         np.testing.assert_allclose(combine(out, token_of_slot, weight, t), ref, atol=1e-5)
 
 
-def test_dropless_equals_topk_with_room_for_everything():
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_dropless_equals_topk_with_room_for_everything(share):
+    """Also with each expert's first rows through the dense matmul (`dense_share`): at 1.0
+    some experts overflow into the grouped GEMMs and others are padded."""
     x = inputs()
     params = layer("topk").init(jax.random.key(0), x)
     big, _ = layer("topk", factor=8.0).apply(params, x)  # Capacity = every assignment.
-    dropless, stats = layer("dropless").apply(params, x)
+    dropless, stats = layer("dropless", dense_share=share).apply(params, x)
     np.testing.assert_allclose(dropless, big, rtol=1e-5, atol=1e-6)
     assert float(jnp.sum(stats["expert_load"])) == 8 * 16 * 2 and float(stats["dropped"]) == 0
+    if share:  # The split was exercised: the dense part is non-empty, and some rows overflow.
+        load = np.asarray(stats["expert_load"])
+        rows = dense_rows(int(load.sum()), 8, share)
+        assert rows > 0 and (load > rows).any()
 
 
 RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": "tensor"}
@@ -104,10 +119,11 @@ RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": 
 )
 def test_expert_parallel_equals_one_device(router, k, mesh, chunks):
     """Also with the buffers moved in chunks (padded: 3 does not divide the capacity) and with
-    each tensor rank moving its share of them (expert-sequence parallel)."""
+    each tensor rank moving its share of them (expert-sequence parallel); dropless with part
+    of each expert's rows through the dense matmul (against one device without)."""
     mesh = mesh_of(**mesh)
     x = inputs()
-    moe = layer(router, k=k, factor=1.0, chunks=chunks)  # Some drops under topk.
+    moe = layer(router, k=k, factor=1.0, chunks=chunks, dense_share=0.75)  # Drops under topk.
     params = moe.init(jax.random.key(0), x)
 
     def loss(params, x, moe=moe):

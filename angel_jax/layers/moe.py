@@ -114,29 +114,60 @@ def _swiglu(x, gate, up, down):
     return jnp.einsum("...ecf,efd->...ecd", h, down)
 
 
-def _dropless(x_ND, top_e, top_p, gate, up, down, first: int, kernel: str):
+def dense_rows(assignments: int, experts: int, share: float) -> int:
+    """Rows per expert that `_dropless` runs through the dense batched matmul: `share` of the
+    even share of `assignments`, rounded down to a multiple of 8 (0 turns it off)."""
+    return int(share * assignments / experts) // 8 * 8
+
+
+def _dropless(x_ND, top_e, top_p, gate, up, down, first: int, kernel: str, dense: int = 0):
     """Outputs (N, D) f32 of the experts first..first+E_local over rows x with their top-K
-    choices: assignments sorted by expert, grouped matmuls (`kernels.ragged_dot`), the outputs
-    put back in assignment order and weighted per row. Sorting and unsorting are gathers by
-    permutations (their transposes scatter without collisions), not scatter-adds."""
+    choices. Each expert's first `dense` assignments (in row order) go through one batched
+    dense matmul (E, C, D) x (E, D, F), groups short of C padded with zeros; the rest, sorted
+    by expert, through grouped matmuls (`kernels.ragged_dot`). A grouped GEMM runs at a third
+    of a dense matmul's speed on an H200 (experiments/results/grouped_gemm.json), so with
+    balanced routing most of the work moves to the fast kernel; none is ever dropped. The
+    outputs are gathered back per assignment and weighted per row."""
     n, k = top_e.shape
-    local = gate.shape[0]
+    m, local, c = n * k, gate.shape[0], dense
     flat_e = top_e.reshape(-1) - first
     mine = (flat_e >= 0) & (flat_e < local)
     key = jnp.where(mine, flat_e, local)  # Other ranks' experts sort last, past the groups.
     order = jnp.argsort(key, stable=True)  # Sorted slot -> assignment (row * K + choice).
     sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
     permute = lambda a, idx: a.at[idx].get(unique_indices=True)
-    xs = permute(jnp.repeat(x_ND, k, axis=0), order)
-    # Named for the remat policies. The down projection is recomputed in the backward pass
-    # (the router's gradient needs it): keeping it too took moe_1b past one H200's memory.
-    grouped = lambda a, w: checkpoint_name(ragged_dot(a, w, sizes, kernel), "experts")
-    h = jax.nn.silu(grouped(xs, gate)) * grouped(xs, up)
-    out = ragged_dot(h, down, sizes, kernel)  # Rows past the local groups are zero.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k), unique_indices=True)
-    unsorted = permute(out, inverse).reshape(n, k, -1)
+    inverse = lambda perm: jnp.zeros_like(perm).at[perm].set(jnp.arange(m), unique_indices=True)
+    position = inverse(order) - jnp.append(starts, 0)[key]  # Within its expert's assignments.
+    in_dense = mine & (position < c)
+    # The rest, sorted by expert, are the grouped GEMMs' rows; the dense part's and other
+    # ranks' sort past the groups (the kernels leave those rows out).
+    rest_key = jnp.where(in_dense, local, key)
+    rest_order = jnp.argsort(rest_key, stable=True) if c else order
+    rest_sizes = jnp.bincount(rest_key, length=local + 1)[:local].astype(jnp.int32)
+    x_rep = jnp.repeat(x_ND, k, axis=0)  # One row per assignment.
+    named = lambda a: checkpoint_name(a, "experts")  # Saved by the dots remat policies.
+    # The down projections are recomputed in the backward pass (the router's gradient needs
+    # them): keeping them too took moe_1b past one H200's memory. With the dense part the
+    # grouped GEMMs hold only the overflow, cheap to recompute, in (M, F) buffers not worth
+    # keeping.
+    rest_named = named if c == 0 else (lambda a: a)
+    xr = permute(x_rep, rest_order)
+    h = jax.nn.silu(rest_named(ragged_dot(xr, gate, rest_sizes, kernel)))
+    h = h * rest_named(ragged_dot(xr, up, rest_sizes, kernel))
+    out = permute(ragged_dot(h, down, rest_sizes, kernel), inverse(rest_order))  # (M, D).
+    if c:
+        slot = starts[:, None] + jnp.arange(c)  # (E, C): sorted slots of each expert's first C.
+        dense_assignment = jnp.where(jnp.arange(c) < sizes[:, None], order[slot % m], m)
+        take = lambda a, idx: a.at[idx].get(mode="fill", fill_value=0)
+        xd = take(x_rep, dense_assignment)  # (E, C, D), zero past a group's size.
+        hd = jax.nn.silu(named(jnp.einsum("ecd,edf->ecf", xd, gate)))
+        hd = hd * named(jnp.einsum("ecd,edf->ecf", xd, up))
+        out_dense = jnp.einsum("ecf,efd->ecd", hd, down).reshape(local * c, -1)
+        dense_out = take(out_dense, jnp.where(in_dense, key * c + position, local * c))
+        out = jnp.where(in_dense[:, None], dense_out, out)
     weight = jnp.where(mine, top_p.reshape(-1), 0.0).reshape(n, k, 1)
-    return jnp.sum(unsorted.astype(F32) * weight, axis=1)
+    return jnp.sum(out.reshape(n, k, -1).astype(F32) * weight, axis=1)
 
 
 class MoE(nn.Module):
@@ -150,6 +181,7 @@ class MoE(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     dispatch_chunks: int = 1  # Parts of the slot buffers moved one after another.
     kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax" (angel_jax/kernels.py).
+    dense_share: float = 0.0  # dropless: rows per expert through a dense matmul (`dense_rows`).
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -173,6 +205,7 @@ class MoE(nn.Module):
             self.capacity_factor,
             self.dispatch_chunks,
             self.kernel,
+            self.dense_share,
         )
         z, balance = router_losses(logits, load)
         return y.astype(x_BTD.dtype), dict(
@@ -180,7 +213,9 @@ class MoE(nn.Module):
         )
 
 
-def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1, kernel="xla"):
+def expert_parallel(
+    router, x_BTD, logits_BTE, weights, k, factor, chunks=1, kernel="xla", dense_share=0.0
+):
     """The routed expert outputs (B, T, D) f32, the load per expert (assignments, summed over
     the batch) and the number of dropped assignments, over the active mesh's `expert` axis (and
     `tensor` inside each expert) when the rules split the experts, else on one device.
@@ -247,14 +282,15 @@ def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1, ker
         load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
         rows = lambda a: a.reshape(-1, *a.shape[2:])
         if not split:
-            out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0, kernel)
+            dense = dense_rows(top_e.size, e, dense_share)
+            out = _dropless(rows(x), rows(top_e), rows(top_p), gate, up, down, 0, kernel, dense)
             return out.reshape(x.shape), load, jnp.zeros((), F32)
         # Every rank of the expert group sees the group's tokens, applies its experts.
         gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)
         first = jax.lax.axis_index("expert") * gate.shape[0]
-        out = _dropless(
-            rows(gather(x)), rows(gather(top_e)), rows(gather(top_p)), gate, up, down, first, kernel
-        )
+        top_e, top_p = rows(gather(top_e)), rows(gather(top_p))
+        dense = dense_rows(top_e.size, e, dense_share)
+        out = _dropless(rows(gather(x)), top_e, top_p, gate, up, down, first, kernel, dense)
         out = jax.lax.psum(out, "tensor")
         out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
         load = jax.lax.psum(load, ("data", "expert"))

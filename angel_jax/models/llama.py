@@ -87,6 +87,7 @@ class LlamaConfig:
     capacity_factor: float = 1.25
     moe_dispatch_chunks: int = 1
     moe_kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax".
+    moe_dense_share: float = 0.0  # dropless: rows per expert through a dense matmul.
     shared_experts: int = 0
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
@@ -123,6 +124,7 @@ class LlamaConfig:
             attention=None if attention == "xla" else attention,
             ring_blocks=choose("ring_blocks", model.ring_blocks)[0],
             moe_kernel=choose("moe_kernel", model.moe_kernel)[0],
+            moe_dense_share=model.moe_dense_share,
             scan_layers=model.scan_layers,
         )
 
@@ -188,6 +190,7 @@ class DecoderLayer(nn.Module):
             dtype,
             cfg.moe_dispatch_chunks,
             cfg.moe_kernel,
+            cfg.moe_dense_share,
             name="moe",
         )(x)
         if cfg.shared_experts:
