@@ -1,12 +1,13 @@
 """Library kernels and the choice between them: tokamax's Mosaic GPU grouped GEMM (MoE experts)
 and flash attention blocks (ring attention), or XLA's own ops.
 
-tokamax (PyPI `tokamax`, Python >= 3.12, jax >= 0.11.1) has Pallas Mosaic GPU kernels for
-Hopper and newer. On one H200 its grouped GEMM ran 262 TFLOP/s forward + backward where
-`lax.ragged_dot` ran 40 (XLA lowers it to dense matmuls over every group on CUDA), and its
-causal flash attention 0.89 of cuDNN's (../shared/JAX-FACTS.md). Elsewhere (CPU, older GPUs,
-Python 3.11) the XLA ops run; `config.model.moe_kernel` and `config.model.ring_blocks` choose
-(auto | tokamax | xla), and `choose` says why auto fell back.
+tokamax (PyPI `tokamax`, Python >= 3.12, jax >= 0.11.1; tested on 0.11.2) has Pallas Mosaic
+GPU kernels for Hopper and newer. On one H200 its grouped GEMM ran 246 TFLOP/s forward +
+backward where `lax.ragged_dot` ran 40 (XLA lowers it to dense matmuls over every group on
+CUDA; experiments/results/grouped_gemm.json), and its flash attention blocks 0.81-0.92 of
+cuDNN's (attention_kernels.json). Elsewhere (CPU, older GPUs, Python 3.11, float32) the XLA ops
+run; `config.model.moe_kernel` and `config.model.ring_blocks` choose (auto | tokamax | xla),
+and `choose` says why auto fell back.
 """
 
 import functools
@@ -36,12 +37,14 @@ def tokamax_missing() -> str | None:
     return None
 
 
-def choose(setting: str, value: str) -> tuple[str, str | None]:
-    """(kernel, note) for config.model.<setting> = value: `tokamax` or `xla`, and for an auto
-    that fell back on a GPU the line that says so."""
+def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
+    """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: `tokamax`
+    or `xla`, and for an auto that fell back on a GPU the line that says so."""
     if value not in KERNELS:
         raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(KERNELS)}")
     missing = tokamax_missing()
+    if missing is None and dtype not in ("bfloat16", "float16"):
+        missing = f"config.model.dtype={dtype} (its kernels take bf16 or fp16)"
     if value == "tokamax" and missing:
         raise ConfigError(
             f"config.model.{setting}=tokamax needs tokamax's Mosaic GPU kernels, which cannot "
@@ -171,7 +174,7 @@ def banner(model, ring: bool) -> list[str]:
     parts, notes = [], []
     for setting, what, used in uses:
         if used:
-            kernel, note = choose(setting, model[setting])
+            kernel, note = choose(setting, model[setting], model.dtype)
             parts.append(f"{what} {kernel}")
             notes += [f"note: {note}"] if note else []
     return ([f"kernels: {', '.join(parts)}"] if parts else []) + notes

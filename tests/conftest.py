@@ -29,3 +29,19 @@ def compile_cache_env(tmp_path_factory) -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
     }
+
+
+def hf_reference(test):
+    """Marks a test compared against Hugging Face transformers in PyTorch: `-m hf_reference`
+    selects them (.ci/run runs them in a Python 3.11 environment, where the machine's CPU wheel
+    of torch is); skipped, with the reason, where torch is not installed."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        missing = False
+    except ImportError:
+        missing = True
+    reason = "needs PyTorch: pip install -r requirements-torch.txt"
+    skip = pytest.mark.skipif(missing, reason=reason)
+    return pytest.mark.hf_reference(skip(test))

@@ -11,12 +11,7 @@ from angel_jax import generate, sharding, train
 from angel_jax.config import ConfigError, default_config
 from angel_jax.interop import gpt2, llama
 from angel_jax.mesh import make_mesh
-
-# The references are transformers models in PyTorch, whose CPU wheel on our machines is for
-# Python 3.11: .ci/run runs these in an environment of their own (requirements-torch.txt).
-torch = pytest.importorskip("torch", reason="needs PyTorch: pip install -r requirements-torch.txt")
-transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.hf_reference
+from tests.conftest import hf_reference
 
 VOCAB, PROMPT, STEPS = 128, 5, 6
 
@@ -90,16 +85,20 @@ def test_cached_decoding_equals_the_full_forward_and_sampling_obeys_top_k():
     drawn, logits = generate.generate(exp, params, one, STEPS, 2.0, 3, seed=3, with_logits=True)
     for step in range(STEPS):
         assert drawn[0, PROMPT + step] in np.argsort(logits[0, step])[-3:], step
-    np.testing.assert_allclose(
+    np.testing.assert_allclose(  # atol: jax 0.11.2's CPU sums in another order (1.1e-5 seen).
         logits[0],
         full_logits(exp, params, np.repeat(drawn, 4, 0))[0, PROMPT - 1 : -1],
         rtol=1e-5,
-        atol=1e-5,
+        atol=3e-5,
     )
     assert not np.array_equal(drawn, top1)
 
 
+@hf_reference
 def test_greedy_generation_of_imported_llama_matches_transformers(tmp_path):
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -144,7 +143,11 @@ def test_gpt2_cached_decoding_equals_the_full_forward_within_its_positions():
         generate.generate(exp, params, prompt, 16 - PROMPT + 1)
 
 
+@hf_reference
 def test_greedy_generation_of_imported_gpt2_matches_transformers(tmp_path):
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, n_inner=64, vocab_size=VOCAB, n_positions=16

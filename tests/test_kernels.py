@@ -25,10 +25,10 @@ tokamax_gpu = pytest.mark.skipif(
 def test_auto_picks_xla_off_a_gpu_and_an_explicit_tokamax_is_refused():
     if kernels.tokamax_missing() is None:
         pytest.skip("tokamax runs here: auto picks it (test_tokamax_* check it)")
-    assert kernels.choose("moe_kernel", "auto") == ("xla", None)
-    assert kernels.choose("ring_blocks", "xla") == ("xla", None)
+    assert kernels.choose("moe_kernel", "auto", "bfloat16") == ("xla", None)
+    assert kernels.choose("ring_blocks", "xla", "bfloat16") == ("xla", None)
     with pytest.raises(ConfigError, match=r"config.model.moe_kernel=tokamax needs .* use"):
-        kernels.choose("moe_kernel", "tokamax")
+        kernels.choose("moe_kernel", "tokamax", "bfloat16")
     config = default_config()
     config.model.ring_blocks = "pallas"
     with pytest.raises(ConfigError, match=r"ring_blocks='pallas': use auto, tokamax, xla"):
@@ -94,6 +94,9 @@ def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch, dense_ro
         return jnp.einsum("end,nke->nd", out, chosen)
 
     assert (top_e < first).any() and (top_e >= first + local).any()  # Some are elsewhere.
+    load = np.bincount(np.asarray(top_e).ravel(), minlength=experts)[first : first + local]
+    if dense_rows:  # Some experts overflow into the grouped GEMMs, some are padded.
+        assert (load > dense_rows).any() and (load < dense_rows).any(), load
     loss = lambda fn: lambda *a: jnp.sum(fn(*a) ** 2)
     with jax.default_matmul_precision("highest"):  # No TF32 where this runs on a GPU.
         np.testing.assert_allclose(ours(x, gate, up, down), dense(x, gate, up, down), atol=1e-5)
@@ -163,20 +166,22 @@ def test_tokamax_ring_on_one_device_equals_cudnn_attention():
     assert "mosaic_gpu" in text, "the ring's blocks did not compile to Mosaic GPU kernels"
 
 
-def _grouped_gemm_errors():
+def _grouped_gemm_errors(first=0, dense=0):
     """Relative errors against float32 of the value and grads (x, gate, up, down) of a
-    dropless layer in bf16, through tokamax and through XLA, and tokamax's compiled HLO."""
+    dropless layer in bf16, through tokamax and through XLA, and tokamax's compiled HLO: this
+    rank's 8 experts from `first` (of 8 + first + first), `dense` rows each through the dense
+    matmul."""
     n, d, f, k, experts = 2048, 256, 512, 2, 8
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
-    top_e = jax.random.randint(keys[1], (n, k), 0, experts)
+    top_e = jax.random.randint(keys[1], (n, k), 0, experts + 2 * first)
     top_p = jax.random.uniform(keys[2], (n, k))
     gate, up = (jax.random.normal(key, (experts, d, f), jnp.bfloat16) / 16 for key in keys[3:5])
     down = jnp.swapaxes(gate, 1, 2)
 
     def loss(kernel):
         def fn(x, gate, up, down):
-            out = moe._dropless(x, top_e, top_p, gate, up, down, 0, kernel)
+            out = moe._dropless(x, top_e, top_p, gate, up, down, first, kernel, dense)
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         return jax.jit(jax.value_and_grad(fn, (0, 1, 2, 3)))
@@ -193,8 +198,10 @@ def _grouped_gemm_errors():
 
 
 @tokamax_gpu
-def test_tokamax_grouped_gemm_is_compiled_in_and_equals_xla_in_value_and_dx():
-    ours, xla, hlo = _grouped_gemm_errors()
+@pytest.mark.parametrize("first, dense", [(0, 0), (4, 128)])  # (4, 128): not yet run on a GPU.
+def test_tokamax_grouped_gemm_is_compiled_in_and_equals_xla_in_value_and_dx(first, dense):
+    """Also with other ranks' assignments and the dense part's past the groups."""
+    ours, xla, hlo = _grouped_gemm_errors(first, dense)
     assert "mosaic_gpu" in hlo, "the grouped GEMMs did not compile to tokamax's kernels"
     # Both in bf16: as close to the float32 result as XLA's.
     assert all(o < 2 * r + 5e-3 for o, r in zip(ours[:2], xla[:2], strict=True)), (ours, xla)

@@ -8,7 +8,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
-from angel_jax.parallel.attention import _Ring, sequence_parallel_attention, zigzag_order
+from angel_jax.parallel.attention import (
+    sequence_parallel_attention,
+    source_precedes,
+    zigzag_order,
+)
 from tests.test_train_parity import run_steps, small_config
 
 AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
@@ -105,25 +109,27 @@ def test_zigzag_order_puts_chunks_i_and_2n_minus_1_minus_i_on_rank_i():
         assert order[rank, 0, 0] == 2 * rank and order[rank, 1, 0] == 2 * (7 - rank)
 
 
-def test_zigzag_balances_causal_work():
-    """Work per ring step and rank, in units of one full chunk x chunk block (a causal
-    diagonal block is half of one), from the schedule the ring runs: equal on every rank at
-    every step. Without zigzag (rank i holding contiguous chunk i), rank i would do i + 1/2
-    of the N + 1/2 units of its last rank: up to 2N - 1 times the least loaded."""
-    n = 4
-    mesh = mesh_of(context=n, data=2)
-    units = jnp.array([2.0, 2.0, 2.0, 4.0])  # Diagonal (0.5 + 1 + 0.5), before, after, full.
-
-    def schedule(_):
-        ring = _Ring("context", causal=True, length=2)
-        return jnp.stack([units[ring.branch(s)] for s in range(n)])[None]
-
-    work = jax.shard_map(
-        schedule, mesh=mesh, in_specs=P("context"), out_specs=P("context"), check_vma=False
-    )(jnp.zeros(n))
-    work = np.asarray(work)  # (rank, step)
-    assert work.shape == (n, n)
-    assert (work == 2.0).all(), work
+def test_zigzag_ring_steps_compute_exactly_the_visible_pairs_and_balance():
+    """For every rank and ring step, the blocks the schedule picks cover exactly the (query,
+    key) pairs the causal mask leaves visible between the rank's zigzag chunks and the source's,
+    and every rank computes as many pairs as every other at each step. Without zigzag (rank i
+    holding contiguous chunk i) rank i would do i + 1/2 chunk blocks of the N + 1/2 of its last
+    rank."""
+    n, c = 4, 3
+    pos = zigzag_order(2 * n * c, n).reshape(n, 2 * c)  # Global positions per rank.
+    for step in range(1, n):
+        work = []
+        for rank in range(n):
+            src = (rank - step) % n
+            visible = pos[rank][:, None] >= pos[src][None, :]  # (queries, keys)
+            chosen = np.zeros_like(visible)
+            if source_precedes(src, rank):
+                chosen[:, :c] = True  # All queries x the source's first key chunk.
+            else:
+                chosen[c:, :] = True  # The second query chunk x both key chunks.
+            np.testing.assert_array_equal(chosen, visible)
+            work.append(chosen.sum())
+        assert len(set(work)) == 1, work
 
 
 @pytest.fixture(scope="module")

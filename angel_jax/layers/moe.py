@@ -9,7 +9,8 @@ how the batch is split over devices):
   expert_choice  each expert picks its `capacity` best tokens of the group (Zhou et al. 2022);
   dropless       topk with no capacity: assignments sorted by expert, experts applied with
                  grouped matmuls (tokamax's Mosaic GPU grouped GEMM or `jax.lax.ragged_dot`,
-                 `config.model.moe_kernel`).
+                 `config.model.moe_kernel`); with `moe_dense_share`, each expert's first
+                 rows through one batched dense matmul instead.
 Expert parallel: the experts' weights are split over `expert`, and so are the tokens (the
 batch axis spans `data` and `expert`). Capacity routers move each group's (expert, slot) buffers
 to the experts' ranks with one all-to-all and back with another; dropless gathers the tokens
@@ -147,10 +148,10 @@ def _dropless(x_ND, top_e, top_p, gate, up, down, first: int, kernel: str, dense
     rest_sizes = jnp.bincount(rest_key, length=local + 1)[:local].astype(jnp.int32)
     x_rep = jnp.repeat(x_ND, k, axis=0)  # One row per assignment.
     named = lambda a: checkpoint_name(a, "experts")  # Saved by the dots remat policies.
-    # The down projections are recomputed in the backward pass (the router's gradient needs
-    # them): keeping them too took moe_1b past one H200's memory. With the dense part the
-    # grouped GEMMs hold only the overflow, cheap to recompute, in (M, F) buffers not worth
-    # keeping.
+    # Under dots_no_batch the down projections are recomputed in the backward pass (the
+    # router's gradient needs them): keeping them too took moe_1b past one H200. With the
+    # dense part the grouped GEMMs hold only the overflow, cheap to recompute, in (M, F)
+    # buffers not worth keeping.
     rest_named = named if c == 0 else (lambda a: a)
     xr = permute(x_rep, rest_order)
     h = jax.nn.silu(rest_named(ragged_dot(xr, gate, rest_sizes, kernel)))

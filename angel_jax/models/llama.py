@@ -122,8 +122,8 @@ class LlamaConfig:
             moe_dispatch_chunks=model.moe_dispatch_chunks,
             shared_experts=model.shared_experts,
             attention=None if attention == "xla" else attention,
-            ring_blocks=choose("ring_blocks", model.ring_blocks)[0],
-            moe_kernel=choose("moe_kernel", model.moe_kernel)[0],
+            ring_blocks=choose("ring_blocks", model.ring_blocks, model.dtype)[0],
+            moe_kernel=choose("moe_kernel", model.moe_kernel, model.dtype)[0],
             moe_dense_share=model.moe_dense_share,
             scan_layers=model.scan_layers,
         )

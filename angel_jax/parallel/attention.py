@@ -67,14 +67,23 @@ class _Ring:
         perm = [(i, (i + 1) % self.n) for i in range(self.n)]
         return jax.lax.ppermute(tree, self.axis, perm)
 
-    def branch(self, step):
-        """The blocks to compute at `step`, as a branch index: 0 the diagonal (step 0), 1 all
-        queries x the first key chunk (the source rank is before this one), 2 the second query
-        chunk x all keys (after); non-causal: always 3 (all x all)."""
+    def schedule(self, step, *, diagonal, before, after, full):
+        """The blocks of ring step `step` (0, or traced inside the loop): the local diagonal
+        at step 0, all x all when not causal; else `before` (all queries x the source's first
+        key chunk) when the source rank precedes this one, `after` (the second query chunk x
+        both of its key chunks) when it follows."""
         if not self.causal:
-            return jnp.int32(3)
+            return full()
+        if isinstance(step, int) and step == 0:
+            return diagonal()
         src = (self.rank - step) % self.n
-        return jnp.where(step == 0, 0, jnp.where(src < self.rank, 1, 2))
+        return jax.lax.cond(source_precedes(src, self.rank), before, after)
+
+
+def source_precedes(src, rank):
+    """Whether rank `src`'s chunk pair (src, 2N-1-src) sits, seen from `rank`'s queries, wholly
+    before both query chunks (else only before the second)."""
+    return src < rank
 
 
 def _ring_forward(q, k, v, axis, causal, blocks_impl):
@@ -87,9 +96,9 @@ def _ring_forward(q, k, v, axis, causal, blocks_impl):
     ring = _Ring(axis, causal, q.shape[1])
     c = ring.c
 
-    def blocks(branch, kv):
+    def blocks(step, kv):
         """(out, lse) over all local queries from this key/value chunk pair (zeros/-inf where
-        a branch leaves queries out). Every block is fully visible or causal with aligned
+        a step leaves queries out). Every block is fully visible or causal with aligned
         chunks, which is what flash kernels take."""
         k, v = kv
 
@@ -103,27 +112,27 @@ def _ring_forward(q, k, v, axis, causal, blocks_impl):
             )
             return jnp.concatenate([out_a, out_b], 1), jnp.concatenate([lse_a, lse_b], -1)
 
-        def before():  # Every local query sees the first key chunk of the pair.
-            return block(q, k[:, :c], v[:, :c], False)
-
         def after():  # Only the second query chunk sees the pair, both chunks of it.
             out, lse = block(q[:, c:], k, v, False)
             none_out = jnp.zeros_like(out)
             none_lse = jnp.full(lse.shape, -jnp.inf, F32)
             return jnp.concatenate([none_out, out], 1), jnp.concatenate([none_lse, lse], -1)
 
-        def full():
-            return block(q, k, v, False)
-
-        return jax.lax.switch(branch, (diagonal, before, after, full))
+        return ring.schedule(
+            step,
+            diagonal=diagonal,
+            before=lambda: block(q, k[:, :c], v[:, :c], False),
+            after=after,
+            full=lambda: block(q, k, v, False),
+        )
 
     def step(s, carry):
         out, lse, kv = carry
         incoming = ring.send(kv)  # Overlaps with this step's blocks.
-        out, lse = _merge(out, lse, *blocks(ring.branch(s), kv))
+        out, lse = _merge(out, lse, *blocks(s, kv))
         return out, lse, incoming
 
-    out, lse = blocks(ring.branch(0), (k, v))
+    out, lse = blocks(0, (k, v))
     incoming = ring.send((k, v))
     out, lse, _ = jax.lax.fori_loop(1, ring.n, step, (out, lse, incoming))
     return out, lse
@@ -138,7 +147,7 @@ def _ring_backward(q, k, v, out, lse, do, axis, causal, blocks_impl):
     lse_first, lse_second = lse[..., :c], lse[..., c:]
     cat = lambda a, b: jnp.concatenate([a, b], axis=1)
 
-    def grads(branch, k, v):
+    def grads(step, k, v):
         def diagonal():  # The forward's three blocks.
             dq_a, dk_a, dv_a = block_grads(
                 first(q), first(k), first(v), first(do), first(out), lse_first, True
@@ -159,21 +168,23 @@ def _ring_backward(q, k, v, out, lse, do, axis, causal, blocks_impl):
             dq, dk, dv = block_grads(second(q), k, v, second(do), second(out), lse_second, False)
             return cat(jnp.zeros_like(dq), dq), dk, dv
 
-        def full():
-            return block_grads(q, k, v, do, out, lse, False)
-
-        return jax.lax.switch(branch, (diagonal, before, after, full))
+        return ring.schedule(
+            step,
+            diagonal=diagonal,
+            before=before,
+            after=after,
+            full=lambda: block_grads(q, k, v, do, out, lse, False),
+        )
 
     def step(s, carry):
         dq, k, v, dk, dv = carry
-        dq_b, dk_b, dv_b = grads(ring.branch(s), k, v)
+        dq_b, dk_b, dv_b = grads(s, k, v)
         # The chunk moves on with its grads so far; after the last step one more hop
         # brings every chunk's dK/dV home.
         return (dq + dq_b, *ring.send((k, v, dk + dk_b, dv + dv_b)))
 
-    zeros = lambda x: jnp.zeros(x.shape, F32)
-    carry = (zeros(q), k, v, zeros(k), zeros(v))
-    dq, _, _, dk, dv = jax.lax.fori_loop(0, ring.n, step, carry)
+    carry = step(0, (0.0, k, v, 0.0, 0.0))  # Step 0 (the diagonal) outside the loop.
+    dq, _, _, dk, dv = jax.lax.fori_loop(1, ring.n, step, carry)
     return dq, dk, dv
 
 
