@@ -16,20 +16,8 @@ custom calls (`*_kernels`), to show which kernels ran.
 import argparse
 import json
 import sys
-import time
 
-from throughput import ROOT, custom_calls, write_results
-
-
-def timed(fn, *args, reps=10) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
+from throughput import ROOT, custom_calls, timed, write_results
 
 
 def grouped(x, kv_heads):

@@ -117,6 +117,19 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     )
 
 
+def timed(fn, *args, reps=10) -> float:
+    """Seconds per call of `fn(*args)` after one warm-up call (compilation), device work
+    waited for."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps
+
+
 def custom_calls(hlo_text: str) -> dict:
     """Custom-call targets of a compiled program (its HLO text) with counts: which kernels
     (cuBLAS, cuDNN, Mosaic GPU, ...) it runs."""
