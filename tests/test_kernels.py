@@ -3,7 +3,7 @@ handling of rows past its groups, and, on a GPU with tokamax, its kernels agains
 
 The tokamax tests need its Mosaic GPU kernels (an sm90/sm100 GPU, Python >= 3.12): elsewhere
 they are skipped with the reason (`pytest -rs` lists it). They ran on an H200
-(experiments/results/attention_kernels.json records the run).
+(experiments/results/test_kernels_gpu.log is that run).
 """
 
 import jax
