@@ -184,7 +184,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).
     c.fp8 = ml_collections.ConfigDict()
-    c.fp8.matmul = False  # Layer projections in FP8 (e4m3 forward, e5m2 gradients).
+    c.fp8.matmul = False  # Layer projections on FP8 GEMMs (e4m3 forward, e5m2 gradients).
+    c.fp8.lm_head = False  # The LM head too (with fp8.matmul): its logits lose more precision.
     c.fp8.collectives = False  # ZeRO-3's param all-gathers and grad reduce-scatters in FP8.
     # PowerSGD rank for the data-parallel gradient average (optim/powersgd.py); 0: off.
     c.train.powersgd_rank = 0
@@ -306,6 +307,11 @@ def objective(config: ml_collections.ConfigDict) -> str:
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
     _validate_family(config)
+    if config.fp8.lm_head and not config.fp8.matmul:
+        raise ConfigError(
+            "config.fp8.lm_head puts the LM head on FP8 GEMMs beside the layers' projections: "
+            "set config.fp8.matmul=true too, or turn it off"
+        )
     if config.fp8.collectives and config.zero_stage != 3:
         raise ConfigError(
             f"config.fp8.collectives carries ZeRO-3's parameter all-gathers, but "
@@ -555,6 +561,7 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
         "config.model.num_experts > 0": m.num_experts > 0,
         "config.model.logits_chunks > 1": m.logits_chunks > 1,
         "config.fp8.matmul": config.fp8.matmul,
+        "config.fp8.lm_head": config.fp8.lm_head,
         "config.fp8.collectives": config.fp8.collectives,
         "config.offload.policy other than none": config.offload.policy != "none",
         "config.train.powersgd_rank > 0": config.train.powersgd_rank > 0,

@@ -10,6 +10,8 @@ span    the T5 decoder's loss on the targets (teacher-forced: decoder inputs are
 Each is a mean over the predicted tokens of the batch (of the microbatch, when accumulating).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -39,10 +41,11 @@ def cross_entropy(
 
 
 def chunked_cross_entropy(
-    h_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, z_loss: float, chunks: int
+    h_BTD: jax.Array, lm_head: Callable, targets_BT: jax.Array, z_loss: float, chunks: int
 ):
-    """`cross_entropy` of the logits h @ head, a slice of the sequence at a time under remat,
-    so only one slice's float32 logits exist at once (forward and backward). Each slice takes
+    """`cross_entropy` of the logits lm_head(h) ((..., D) -> (..., V)), a slice of the
+    sequence at a time under remat, so only one slice's float32 logits exist at once (forward
+    and backward). Each slice takes
     the same share of every device's positions when the sequence is split over devices."""
     b, t, d = h_BTD.shape
     ways = 1  # Devices the sequence is split over: each slice keeps that split.
@@ -56,7 +59,7 @@ def chunked_cross_entropy(
     @jax.checkpoint
     def step(sums, xs):
         h_BWPD, t_BWP = xs
-        logits = jnp.einsum("bwpd,dv->bwpv", h_BWPD, head_DV).astype(jnp.float32)
+        logits = lm_head(h_BWPD).astype(jnp.float32)
         logits = sharding.constrain(logits, ("batch", "length", None, "vocab"))
         logz = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, t_BWP[..., None], axis=-1)[..., 0]

@@ -33,6 +33,7 @@ from angel_jax.models.llama import (
     embed_tokens,
     final_norm,
     lm_head_kernel,
+    lm_head_logits,
 )
 from angel_jax.monitor import skip_if_anomalous
 from angel_jax.offload.planner import HOST, SSD, Plan, check_compiled, make_plan
@@ -178,8 +179,9 @@ class Experiment:
             h_BTD, moe = self.model.apply(
                 {"params": params}, inputs_BT, hidden=True, mutable="intermediates"
             )
-            head = lm_head_kernel(self.model_config, params)
-            loss, metrics = chunked_cross_entropy(h_BTD, head, targets_BT, z_loss, chunks)
+            head_DV = lm_head_kernel(self.model_config, params)
+            lm_head = functools.partial(lm_head_logits, self.model_config, head_DV=head_DV)
+            loss, metrics = chunked_cross_entropy(h_BTD, lm_head, targets_BT, z_loss, chunks)
             return self._with_router_losses(loss, metrics, moe)
         logits, moe = self.model.apply({"params": params}, inputs_BT, mutable="intermediates")
         loss, metrics = cross_entropy(logits, targets_BT, z_loss)
@@ -238,7 +240,7 @@ class Experiment:
         def head_loss(shared, h_BTD, targets_BT):
             h_BTD = final_norm(cfg, shared, h_BTD)
             head_DV = lm_head_kernel(cfg, shared)
-            logits = jnp.einsum("btd,dv->btv", h_BTD, head_DV).astype(jnp.float32)
+            logits = lm_head_logits(cfg, h_BTD, head_DV).astype(jnp.float32)
             logits = sharding.constrain(logits, ("batch", "length", "vocab"))
             return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
 
@@ -397,17 +399,30 @@ class Experiment:
         return TrainState(step, *(treedef.unflatten(t) for t in new))
 
     @functools.cached_property
+    def _jitted_train_step(self):
+        return jax.jit(
+            self._train_step,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, NamedSharding(self.mesh, P())),
+            donate_argnums=0,
+        )
+
+    def lowered_train_step(self) -> jax.stages.Lowered:
+        """The on-device train step lowered from shapes (not compiled): its StableHLO holds
+        the program as JAX wrote it (dtypes of every dot, before XLA's rewrites)."""
+        if self.plan.offloads_optimizer:
+            raise ConfigError("lowered_train_step: the offloaded step is not one program")
+        with sharding.use_rules(self.mesh, self.rules):
+            return self._jitted_train_step.lower(self.abstract_state, self._abstract_batch())
+
+    @functools.cached_property
     def train_step(self):
         """(state, batch) -> (state, metrics); the state is donated. With offloaded states, a
         jitted forward/backward step, then the streamed update of every chunk."""
         if not self.plan.offloads_optimizer:
-            step = jax.jit(
-                self._train_step,
-                in_shardings=(self.state_sharding, self.batch_sharding),
-                out_shardings=(self.state_sharding, NamedSharding(self.mesh, P())),
-                donate_argnums=0,
+            return self._compile(
+                self._jitted_train_step, self.abstract_state, self._abstract_batch()
             )
-            return self._compile(step, self.abstract_state, self._abstract_batch())
         grad_step = self.grad_step
 
         def run(state, batch):
@@ -487,6 +502,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
             fp8_matmul=config.fp8.matmul,
             # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
             fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
+            fp8_lm_head=config.fp8.lm_head,
         )
         model = Llama(model_config)
     optimizer = make_optimizer(config.train)

@@ -5,7 +5,9 @@ ZeRO-3 collectives against XLA's bf16 ones, side by side in one job.
         [-- --config.model.num_layers=8 ...]
 
 Every variant is its own process (throughput.py's worker) on the same shape and random tokens;
-the table gives tokens/s, MFU, peak memory and each variant's ratio to the first (bf16) one.
+the table gives tokens/s, MFU, peak memory and each variant's ratio to the first (bf16) one,
+and each record `f8_gemm_calls`: the FP8 cuBLAS GEMMs (`__cublas$lt$matmul$f8`) in the
+compiled step. An FP8 variant with none ran the bf16 kernels, and says so.
 """
 
 import argparse
@@ -28,7 +30,11 @@ def main() -> int:
     if a.devices > 1:
         base.append("--config.zero_stage=3")
     base += a.overrides  # Last, so that they win.
-    variants = [("bf16", []), ("fp8 matmul", ["--config.fp8.matmul=true"])]
+    variants = [
+        ("bf16", []),
+        ("fp8 matmul", ["--config.fp8.matmul=true"]),
+        ("fp8 matmul + lm head", ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]),
+    ]
     if a.devices > 1:
         variants += [
             ("fp8 collectives", ["--config.fp8.collectives=true"]),
@@ -40,9 +46,16 @@ def main() -> int:
         if only and name not in only:
             continue
         timing = run_ours(a.config, [*base, *overrides], a.steps, warmup=3)
-        results.append({**timing, "system": name, "overrides": [*base, *overrides]})
+        f8_calls = timing.get("kernels", {}).get("__cublas$lt$matmul$f8", 0)
+        results.append(
+            {**timing, "system": name, "overrides": [*base, *overrides], "f8_gemm_calls": f8_calls}
+        )
         print(json.dumps(results[-1]), flush=True)
+        if "fp8 matmul" in name and "tokens_per_s" in timing and not f8_calls:
+            print(f"warning: {name!r} compiled to no FP8 GEMM: it ran bf16 kernels", flush=True)
     print_table(results)
+    for r in results:
+        print(f"{r['system']:<40} FP8 GEMM calls in the step: {r['f8_gemm_calls']}")
     write_results(a.out, results)
     return 0
 

@@ -51,6 +51,18 @@ VARIANTS = [
         ],
         0,
     ),
+    (
+        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, fp8 matmul",
+        "llama3_8b",
+        [
+            "--config.offload.policy=optimizer",
+            "--config.zero_stage=1",
+            "--config.train.batch_size=128",
+            "--config.train.microbatches=128",
+            "--config.fp8.matmul=true",
+        ],
+        0,
+    ),
 ]
 
 

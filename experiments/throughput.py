@@ -87,8 +87,10 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
     kernels = {}
-    if hasattr(train_step, "as_text"):  # A compiled step (not the streamed-offload loop).
-        text = train_step.as_text()
+    # The compiled step; with the optimizer offloaded, its compiled forward/backward part.
+    program = exp.grad_step if exp.plan.offloads_optimizer else train_step
+    if hasattr(program, "as_text"):
+        text = program.as_text()
         kernels = custom_calls(text)
         if os.environ.get("THROUGHPUT_HLO_DIR"):  # For reading which kernels ran, later.
             name = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(overrides))[-120:]

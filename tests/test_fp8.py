@@ -1,5 +1,7 @@
-"""FP8 block quantization: the Pallas kernels against their references, and error bounds."""
+"""FP8: the block-quantization kernels against their references, FP8 collectives and their bytes
+on the wire, and FP8 matmuls as FP8 dots in the program (and as cuBLAS FP8 GEMMs on a GPU)."""
 
+import collections
 import math
 import re
 
@@ -10,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from angel_jax import fp8 as fp8_matmul
 from angel_jax.config import ConfigError
 from angel_jax.data import make_batches
-from angel_jax.layers.linear import fp8_dot_general
 from angel_jax.mesh import make_mesh
 from angel_jax.parallel.fp8_collectives import all_gather_fp8, reduce_scatter_fp8
 from angel_jax.train import build
@@ -146,23 +148,128 @@ def test_fp8_collectives_halve_the_bytes_on_the_wire():
     assert sorted(kinds) == ["f32", "u8"]
 
 
-def test_fp8_matmul_and_its_grads_stay_close_to_the_exact_ones():
+def quantized(a, dtype):
+    """numpy's per-tensor quantization of float32 a, as fp8.quantize defines it: (values, scale)."""
+    a = np.asarray(a, np.float32)
+    fmax = np.float32(jnp.finfo(dtype).max)
+    scale = np.float32(np.abs(a).max()) / fmax
+    q = np.clip(a * (np.float32(1) / scale), -fmax, fmax).astype(dtype).astype(np.float32)
+    return q, scale
+
+
+def test_fp8_matmul_is_the_dot_of_the_quantized_operands_forward_and_backward():
     kx, kw, kg = jax.random.split(jax.random.key(5), 3)
     x, w = jax.random.normal(kx, (64, 256)), jax.random.normal(kw, (256, 128))
     g = jax.random.normal(kg, (64, 128))
-    dims = (((1,), (0,)), ((), ()))
-    y8, vjp8 = jax.vjp(lambda x, w: fp8_dot_general(x, w, dims), x, w)
-    y, vjp = jax.vjp(lambda x, w: jax.lax.dot_general(x, w, dims), x, w)
+    y8, vjp8 = jax.vjp(fp8_matmul.matmul, x, w)
+    dx8, dw8 = vjp8(g)
+    (xq, xs), (wq, ws), (gq, gs) = (
+        quantized(x, fp8.E4M3),
+        quantized(w, fp8.E4M3),
+        quantized(g, fp8.E5M2),
+    )
+    # e4m3 x and w forward; e5m2 g against the forward's e4m3 copies backward; scales outside.
+    np.testing.assert_allclose(y8, xq @ wq * (xs * ws), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dx8, gq @ wq.T * (gs * ws), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw8, xq.T @ gq * (xs * gs), rtol=1e-5, atol=1e-4)
+    # The error is FP8's (e4m3 rounds by up to 2^-4, e5m2 by 2^-3), far above bf16's or f16's.
+    y, vjp = jax.vjp(jnp.matmul, x, w)
     error = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-    # e4m3 rounds each input by up to 2^-4 relative; independent roundings average down.
-    assert 0 < error(y8, y) < 0.05
-    for got, want in zip(vjp8(g), vjp(g), strict=True):  # e5m2 on g: up to 2^-3.
-        assert 0 < error(got, want) < 0.1
+    assert 0.01 < error(y8, y) < 0.05
+    for got, want in zip((dx8, dw8), vjp(g), strict=True):
+        assert 0.02 < error(got, want) < 0.1
+
+
+def dot_operand_types(lowered_text: str) -> collections.Counter:
+    """(lhs, rhs) element types of the StableHLO dots of a lowered program, with counts."""
+    return collections.Counter(
+        re.findall(
+            r"stablehlo.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\)",
+            lowered_text,
+        )
+    )
+
+
+def projections_per_layer(exp) -> int:
+    return sum(
+        1
+        for path, _ in jax.tree_util.tree_leaves_with_path(exp.abstract_state.params["layers"])
+        if jax.tree_util.keystr(path).endswith("['kernel']")
+    )
+
+
+E4, E5 = "f8E4M3FN", "f8E5M2"
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_every_projection_of_the_train_step_is_an_fp8_dot(lm_head):
+    """The lowered train step (before XLA's rewrites): one e4m3 x e4m3 dot per projection in
+    the forward, and per projection an e5m2 x e4m3 (dx) and an e4m3 x e5m2 (dw) dot in the
+    backward; with fp8.lm_head the head's three dots too. The scanned layer is lowered once."""
+    config = small_config(fp8__matmul=True, fp8__lm_head=lm_head)
+    config.model.update(dtype="bfloat16", remat="none")
+    exp = build(config, make_mesh(config.mesh, jax.devices()))
+    dots = dot_operand_types(exp.lowered_train_step().as_text())
+    n = projections_per_layer(exp) + lm_head
+    assert projections_per_layer(exp) == 7  # query, key, value, out, gate, up, down.
+    assert {pair: dots[pair] for pair in [(E4, E4), (E5, E4), (E4, E5)]} == {
+        (E4, E4): n,
+        (E5, E4): n,
+        (E4, E5): n,
+    }
+    assert (E5, E5) not in dots  # No FP8 GEMM takes two e5m2 operands.
+    config.fp8.update(matmul=False, lm_head=False)
+    exp = build(config, make_mesh(config.mesh, jax.devices()))
+    assert not any("f8" in a + b for a, b in dot_operand_types(exp.lowered_train_step().as_text()))
+
+
+def collective_elements(compiled_text: str) -> collections.Counter:
+    """Elements by (collective, element type) in a compiled program (tuple results summed)."""
+    counts = collections.Counter()
+    for line in compiled_text.splitlines():
+        op = re.search(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter)(?:-start)?\(", line)
+        if op:
+            result = line.split(op.group(0))[0]
+            for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", result):
+                counts[op.group(1), dtype] += math.prod(int(d) for d in dims.split(",") if d)
+    return counts
+
+
+def test_fp8_matmuls_under_zero3_gather_each_weight_once_as_e4m3_bytes():
+    """ZeRO-3 on 8 devices, bf16 compute: with FP8 matmuls and collectives, the projection
+    weights are gathered as e4m3 bytes (1 byte an element against bf16's 2) and fed to the dot
+    as gathered; the weights XLA gathers in the compute dtype drop by exactly those elements,
+    and the grads come back through e5m2 all-to-alls."""
+    gathered = {}
+    for name, fp8_on in [("bf16", False), ("fp8", True)]:
+        config = small_config(zero_stage=3, fp8__matmul=fp8_on, fp8__collectives=fp8_on)
+        config.model.update(dtype="bfloat16", remat="none")
+        config.mesh.data = 8
+        exp = build(config, make_mesh(config.mesh, jax.devices()))
+        gathered[name] = collective_elements(exp.lowered_train_step().compile().as_text())
+        per_layer = sum(
+            math.prod(leaf.shape[1:])
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                exp.abstract_state.params["layers"]
+            )
+            if jax.tree_util.keystr(path).endswith("['kernel']")
+        )
+        if fp8_on:
+            dots = dot_operand_types(exp.lowered_train_step().as_text())
+            assert dots[E4, E4] == projections_per_layer(exp)
+    # XLA:CPU widens bf16 collectives to f32; on a GPU these gathers are bf16.
+    widened = lambda counts: sum(
+        n for (op, t), n in counts.items() if op == "all-gather" and t != "u8"
+    )
+    assert gathered["bf16"]["all-gather", "u8"] == 0
+    assert gathered["fp8"]["all-gather", "u8"] == per_layer  # The scanned layer's, once.
+    assert widened(gathered["bf16"]) - widened(gathered["fp8"]) == per_layer
+    assert gathered["fp8"]["all-to-all", "u8"] > 0 and gathered["bf16"]["all-to-all", "u8"] == 0
 
 
 def test_training_with_fp8_matmuls_and_collectives_tracks_the_exact_run():
     """ZeRO-3 on 8 devices: FP8 matmuls and FP8 gathers train like the exact run (within FP8
-    rounding), and the step's param gathers carry bytes, not the compute dtype."""
+    rounding)."""
     losses = {}
     for name, fp8_overrides in [
         ("exact", {}),
@@ -171,11 +278,6 @@ def test_training_with_fp8_matmuls_and_collectives_tracks_the_exact_run():
         config = small_config(zero_stage=3, **fp8_overrides)
         config.mesh.data = 8
         exp = build(config, make_mesh(config.mesh, jax.devices()))
-        if name == "fp8":
-            compiled = exp.train_step.as_text()
-            gathered = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} all-gather\(", compiled)
-            # The projection weights (7 per layer) come as u8, with their f32 scales.
-            assert gathered.count("u8") >= 7 and "bf16" not in gathered
         state, batches = exp.init_state(), make_batches(config)
         losses[name] = []
         for i in range(3):
@@ -188,3 +290,30 @@ def test_training_with_fp8_matmuls_and_collectives_tracks_the_exact_run():
 def test_fp8_collectives_need_zero3():
     with pytest.raises(ConfigError, match=r"config.fp8.collectives .* config.zero_stage=1"):
         build(small_config(fp8__collectives=True), make_mesh(small_config().mesh, jax.devices()))
+
+
+def test_fp8_lm_head_needs_fp8_matmuls():
+    with pytest.raises(ConfigError, match=r"config.fp8.lm_head .* config.fp8.matmul=true"):
+        build(small_config(fp8__lm_head=True), make_mesh(small_config().mesh, jax.devices()))
+
+
+def _no_fp8_gemms() -> str:
+    if jax.default_backend() != "gpu":
+        return f"no GPU (backend {jax.default_backend()})"
+    capability = float(getattr(jax.devices()[0], "compute_capability", "0"))
+    return "" if capability >= 8.9 else f"compute capability {capability} has no FP8 GEMMs"
+
+
+@pytest.mark.skipif(bool(_no_fp8_gemms()), reason=f"FP8 GEMMs cannot run here: {_no_fp8_gemms()}")
+def test_fp8_matmul_compiles_to_cublas_fp8_gemms_forward_and_backward():
+    """On Hopper and later: the forward dot and both backward dots are cuBLAS FP8 GEMMs, and
+    no bf16 GEMM is left."""
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (2, 256, 512), jnp.bfloat16)
+    w = jax.random.normal(kw, (512, 8, 128), jnp.bfloat16)  # Two output dims, as a query's.
+    loss = lambda x, w: jnp.sum(fp8_matmul.matmul(x, w).astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    calls = collections.Counter(
+        re.findall(r'custom_call_target="(__cublas\$lt\$matmul[^"]*)"', text)
+    )
+    assert calls == {"__cublas$lt$matmul$f8": 3}, calls

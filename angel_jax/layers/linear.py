@@ -2,61 +2,19 @@
 
 Weights are stored in `param_dtype` (float32 masters) and cast to the compute dtype before use;
 the cast happens on the stored shard, so ZeRO-3 all-gathers compute-dtype bytes. With `fp8`, a
-projection's inputs and weight enter the matmul as e4m3 and its output gradient as e5m2, each
-with one scale from its current absolute maximum: the dequantize-then-dot pattern that XLA
-rewrites into Hopper's FP8 GEMMs.
+projection runs on FP8 GEMMs (`angel_jax/fp8.py`): e4m3 inputs and weight, e5m2 output
+gradient.
 """
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from angel_jax import fp8
 from angel_jax.parallel.fp8_collectives import zero3_dot
 from angel_jax.sharding import active_mesh, constrain
-
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-
-def _quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """(x in `dtype`, float32 scale): one scale per tensor, its amax onto the format's largest
-    value."""
-    fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = jnp.where(amax > 0, amax / fmax, 1.0)
-    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype), scale
-
-
-def _dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    # Convert-then-scale right before the dot: the pattern XLA turns into an FP8 GEMM.
-    return q.astype(dtype) * scale.astype(dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_dot_general(x, w, dimension_numbers):
-    """`jax.lax.dot_general(x, w, dimension_numbers)` with x and w through e4m3 and, in the
-    backward pass, the output gradient through e5m2."""
-    return _fp8_fwd(x, w, dimension_numbers)[0]
-
-
-def _fp8_fwd(x, w, dimension_numbers):
-    (xq, xs), (wq, ws) = _quantize(x, E4M3), _quantize(w, E4M3)
-    y = jax.lax.dot_general(
-        _dequantize(xq, xs, x.dtype), _dequantize(wq, ws, w.dtype), dimension_numbers
-    )
-    return y, (xq, xs, wq, ws)  # FP8 residuals: half of bf16's memory.
-
-
-def _fp8_bwd(dimension_numbers, residuals, g):
-    xq, xs, wq, ws = residuals  # x, w and g share the compute dtype.
-    dot = lambda x, w: jax.lax.dot_general(x, w, dimension_numbers)
-    _, transpose = jax.vjp(dot, _dequantize(xq, xs, g.dtype), _dequantize(wq, ws, g.dtype))
-    return transpose(_dequantize(*_quantize(g, E5M2), g.dtype))
-
-
-fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 class Linear(nn.Module):
@@ -97,12 +55,13 @@ class Linear(nn.Module):
             (*in_shape, *self.features),
             self.param_dtype,
         )
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        dims, x = (contract, ((), ())), x.astype(self.dtype)
-        dot = fp8_dot_general if self.fp8 else jax.lax.dot_general
+        x, w = x.astype(self.dtype), kernel.astype(self.dtype)
         if self.fp8_gather and active_mesh() is not None:
-            return zero3_dot(x, kernel.astype(self.dtype), self.axes, dims, dot)
-        return dot(x, constrain(kernel.astype(self.dtype), self.axes), dims)
+            return zero3_dot(x, w, self.axes, n_in, self.fp8)
+        w = constrain(w, self.axes)
+        if self.fp8:
+            return fp8.matmul(x, w, n_in)
+        return jax.lax.dot_general(x, w, fp8.dims(x.ndim, w.ndim, n_in)[0])
 
 
 class Embed(nn.Module):
@@ -127,5 +86,7 @@ class Embed(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self._table(), tokens, axis=0)
 
-    def attend(self, x: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array, fp8_matmul: bool = False) -> jax.Array:
+        if fp8_matmul:
+            return fp8.matmul(x.astype(self.dtype), self._table().T)
         return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self._table())

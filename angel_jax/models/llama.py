@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
 
+from angel_jax import fp8
 from angel_jax.config import ConfigError, head_dim
 from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
@@ -95,6 +96,7 @@ class LlamaConfig:
     stream_params: bool = False
     fp8_matmul: bool = False  # Projections through FP8 (config.fp8.matmul).
     fp8_gather: bool = False  # ZeRO-3's all-gathers of projection weights in FP8.
+    fp8_lm_head: bool = False  # The LM head through FP8 too (config.fp8.lm_head).
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
@@ -194,7 +196,14 @@ class DecoderLayer(nn.Module):
             name="moe",
         )(x)
         if cfg.shared_experts:
-            y = y + SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype, name="shared")(x)
+            shared = SwiGLU(
+                cfg.shared_experts * cfg.moe_ffn_dim,
+                dtype,
+                cfg.fp8_matmul,
+                cfg.fp8_gather,
+                name="shared",
+            )
+            y = y + shared(x)
         return constrain(h_BTD + y, residual), stats
 
 
@@ -252,9 +261,12 @@ class Llama(nn.Module):
         if hidden:
             return h_BTD
         if cfg.tie_embeddings:
-            logits = embed.attend(h_BTD)
+            logits = embed.attend(h_BTD, cfg.fp8_lm_head)
         else:
-            logits = Linear((cfg.vocab_size,), ("embed", "vocab"), dtype, name="lm_head")(h_BTD)
+            head = Linear(
+                (cfg.vocab_size,), ("embed", "vocab"), dtype, fp8=cfg.fp8_lm_head, name="lm_head"
+            )
+            logits = head(h_BTD)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
@@ -265,6 +277,13 @@ def lm_head_kernel(cfg: LlamaConfig, params) -> jax.Array:
     if cfg.tie_embeddings:
         return constrain(params["embed"]["embedding"].astype(dtype), ("vocab", "embed")).T
     return constrain(params["lm_head"]["kernel"].astype(dtype), ("embed", "vocab"))
+
+
+def lm_head_logits(cfg: LlamaConfig, h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+    """h (..., D) @ head (D, V) in the compute dtype, on FP8 GEMMs with `fp8_lm_head`."""
+    if cfg.fp8_lm_head:
+        return fp8.matmul(h_BTD, head_DV)
+    return jnp.einsum("...d,dv->...v", h_BTD, head_DV)
 
 
 # The model cut into pieces for a pipeline (parallel/pipeline.py): the same modules as `Llama`,

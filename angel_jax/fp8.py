@@ -1,0 +1,78 @@
+"""FP8 matmuls that run on FP8 tensor cores (Hopper's `__cublas$lt$matmul$f8`).
+
+The dot takes its operands *as* FP8: e4m3 activations and weights in the forward pass, the e5m2
+output gradient (with the e4m3 copies saved from the forward) in the two backward dots, each
+tensor with one float32 scale from its current absolute maximum ("current" or "dynamic"
+scaling, torchao's default). The scales multiply the dot's output. Quantize-then-dequantize
+before a bf16 dot is not used: XLA folds that pair away and runs the bf16 GEMM.
+
+Letters: the dot contracts x's last `n_in` dims with w's first `n_in`; L names x's leading
+dims, O w's output dims: x (L.., I..), w (I.., O..), y (L.., O..).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F32 = jnp.float32
+
+
+def quantize(x: jax.Array, dtype, axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x in `dtype`, float32 scale) with x's absolute maximum onto the format's largest value.
+    With `axis_name` (inside shard_map) the maximum is over every rank's x: one scale for the
+    whole tensor, so the ranks' parts gather into one FP8 tensor."""
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(F32)
+    if axis_name is not None:
+        amax = jax.lax.pmax(amax, axis_name)
+    scale = jnp.where(amax > 0, amax / fmax, 1.0)
+    return jnp.clip(x.astype(F32) * (1.0 / scale), -fmax, fmax).astype(dtype), scale
+
+
+def scaled_dot(a, b, scale, dimension_numbers, dtype) -> jax.Array:
+    """FP8 a and b straight into the dot, the product of their scales on its output."""
+    out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=dtype)
+    return out * scale.astype(dtype)
+
+
+def dims(x_ndim: int, w_ndim: int, n_in: int):
+    """dimension_numbers of the forward dot and of the backward dots dx = g.w and dw = x.g
+    (contracting g's O with w's O, and x's L with g's L): no batch dims, no transposes."""
+    lead, n_out = x_ndim - n_in, w_ndim - n_in
+    forward = ((tuple(range(lead, x_ndim)), tuple(range(n_in))), ((), ()))
+    dx = ((tuple(range(lead, lead + n_out)), tuple(range(n_in, w_ndim))), ((), ()))
+    dw = ((tuple(range(lead)), tuple(range(lead))), ((), ()))
+    return forward, dx, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x (L.., I..) . w (I.., O..) -> (L.., O..) in x's dtype, through FP8 GEMMs forward and
+    backward."""
+    return _matmul_fwd(x, w, n_in)[0]
+
+
+def _matmul_fwd(x, w, n_in):
+    (xq, xs), (wq, ws) = quantize(x, E4M3), quantize(w, E4M3)
+    forward, _, _ = dims(x.ndim, w.ndim, n_in)
+    y = scaled_dot(xq, wq, xs * ws, forward, x.dtype)
+    return y, (xq, xs, wq, ws)  # The FP8 copies are the residuals: half of bf16's memory.
+
+
+def _matmul_bwd(n_in, residuals, g):
+    xq, xs, wq, ws = residuals
+    return backward(xq, xs, wq, ws, g, n_in)
+
+
+def backward(xq, xs, wq, ws, g, n_in):
+    """(dx, dw) of y = x.w from the forward's FP8 copies and g quantized to e5m2."""
+    gq, gs = quantize(g, E5M2)
+    _, dx_dims, dw_dims = dims(xq.ndim, wq.ndim, n_in)
+    dx = scaled_dot(gq, wq, gs * ws, dx_dims, g.dtype)
+    dw = scaled_dot(xq, gq, xs * gs, dw_dims, g.dtype)
+    return dx, dw
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
