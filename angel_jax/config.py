@@ -11,6 +11,8 @@ import pathlib
 
 import ml_collections
 
+from angel_jax.remat import REMATS, STAGE_REMATS
+
 
 class ConfigError(ValueError):
     """A bad setting or input, reported to the user as one line naming the setting and the fix."""
@@ -18,6 +20,9 @@ class ConfigError(ValueError):
 
 # Choices of config.model.ring_blocks and moe_kernel (angel_jax/kernels.py).
 KERNELS = ("auto", "tokamax", "xla")
+# The options of enumerated settings, read by validation and by the modules that run them.
+SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
+ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -72,8 +77,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
-    # none | full | dots | dots_no_batch | dots_attention | offload_dots (models/llama.py
-    # REMAT_POLICIES).
+    # none | full | dots | dots_no_batch | dots_attention | offload_dots (angel_jax/remat.py).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
     # Ring attention's (context axis) block kernels: auto (tokamax's Mosaic GPU flash kernels
@@ -217,9 +221,26 @@ def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
             f"--config {path}: loading it failed{where}: {type(e).__name__}: "
             f"{(str(e).splitlines() or [''])[0]}"
         ) from None
+    _check_known_keys(config, default_config(), f"--config {path}")
     config.lock()
     apply_overrides(config, overrides)
     return config
+
+
+def _check_known_keys(config, defaults, source: str, prefix: str = "config") -> None:
+    """A key a config file added that the defaults lack (a typo would otherwise be ignored)
+    is an error naming the file, the key and the nearest known one."""
+    for name in config.keys():
+        key = f"{prefix}.{name}"
+        if name not in defaults:
+            close = difflib.get_close_matches(name, sorted(defaults.keys()), n=1)
+            hint = f"did you mean {prefix}.{close[0]}?" if close else f"keys of {prefix}: "
+            hint += "" if close else ", ".join(sorted(defaults.keys()))
+            raise ConfigError(f"{source}: unknown config key {key} ({hint})")
+        if isinstance(config[name], ml_collections.ConfigDict) and isinstance(
+            defaults[name], ml_collections.ConfigDict
+        ):
+            _check_known_keys(config[name], defaults[name], source, key)
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
@@ -304,6 +325,16 @@ def objective(config: ml_collections.ConfigDict) -> str:
     return FAMILY_OBJECTIVES.get(config.model.family, "causal") if chosen == "auto" else chosen
 
 
+def choose(setting: str, value, options) -> None:
+    """Refuses a value of an enumerated `config.SETTING` that is not one of `options`, naming
+    them and the nearest one."""
+    if value in options:
+        return
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise ConfigError(f"config.{setting}={value!r}: use one of {', '.join(options)}{hint}")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
     _validate_family(config)
@@ -357,8 +388,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             "channels, so set config.model.head_dim (or d_model / num_heads) to an even number"
         )
     rs = m.rope_scaling
-    if rs.kind not in ("none", "linear", "llama3"):
-        raise ConfigError(f"config.model.rope_scaling.kind={rs.kind!r}: use none, linear or llama3")
+    choose("model.rope_scaling.kind", rs.kind, ("none", "linear", "llama3"))
     if rs.factor <= 0 or (rs.kind == "llama3" and rs.high_freq_factor <= rs.low_freq_factor):
         raise ConfigError(
             f"config.model.rope_scaling: factor={rs.factor} must be positive and "
@@ -378,15 +408,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.train.lr={t.lr}, warmup_steps={t.warmup_steps}: neither may be negative"
         )
-    if t.optimizer not in ("adamw", "adafactor"):
-        raise ConfigError(f"config.train.optimizer={t.optimizer!r}: use adamw or adafactor")
-    remats = ("none", "full", "dots", "dots_no_batch", "dots_attention", "offload_dots")
-    if m.remat not in remats:
-        raise ConfigError(f"config.model.remat={m.remat!r}: use one of {', '.join(remats)}")
-    if m.attention not in ("auto", "cudnn", "xla"):
-        raise ConfigError(f"config.model.attention={m.attention!r}: use auto, cudnn or xla")
-    if m.router not in ("topk", "expert_choice", "dropless"):
-        raise ConfigError(f"config.model.router={m.router!r}: use topk, expert_choice or dropless")
+    choose("train.optimizer", t.optimizer, ("adamw", "adafactor"))
+    choose("model.remat", m.remat, REMATS)
+    choose("model.attention", m.attention, ("auto", "cudnn", "xla"))
+    choose("model.router", m.router, ROUTERS)
     if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
         raise ConfigError(
             f"config.model.experts_per_token={m.experts_per_token}: must be between 1 and "
@@ -401,8 +426,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.model.moe_dispatch_chunks={m.moe_dispatch_chunks}: use 1 or more"
         )
     pc = config.pipeline
-    if pc.schedule not in ("gpipe", "1f1b", "circular"):
-        raise ConfigError(f"config.pipeline.schedule={pc.schedule!r}: use gpipe, 1f1b or circular")
+    choose("pipeline.schedule", pc.schedule, SCHEDULES)
     for name in ("microbatches", "virtual_stages"):
         if pc[name] < 1:
             raise ConfigError(f"config.pipeline.{name}={pc[name]}: must be at least 1")
@@ -417,16 +441,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.train.batch_size={t.batch_size} is not divisible by "
             f"config.pipeline.microbatches={pc.microbatches}; change one so that it divides"
         )
-    stage_remats = ("auto", "dots_attention", "dots_no_batch", "full")
-    if pc.remat not in stage_remats:
-        raise ConfigError(
-            f"config.pipeline.remat={pc.remat!r}: use one of {', '.join(stage_remats)}"
-        )
+    stage_remats = ("auto", *STAGE_REMATS)
+    choose("pipeline.remat", pc.remat, stage_remats)
     for setting in ("ring_blocks", "moe_kernel"):
-        if m[setting] not in KERNELS:
-            raise ConfigError(f"config.model.{setting}={m[setting]!r}: use {', '.join(KERNELS)}")
-    if m.dtype not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"config.model.dtype={m.dtype!r}: use bfloat16, float16 or float32")
+        choose(f"model.{setting}", m[setting], KERNELS)
+    choose("model.dtype", m.dtype, ("bfloat16", "float16", "float32"))
     if t.batch_size % t.microbatches:
         raise ConfigError(
             f"config.train.batch_size={t.batch_size} is not divisible by "
@@ -465,10 +484,7 @@ def _validate_init_from_hf(config: ml_collections.ConfigDict) -> None:
 
 def _validate_monitor(config: ml_collections.ConfigDict) -> None:
     mon, t = config.monitor, config.train
-    if mon.on_anomaly not in ("skip", "rollback", "log"):
-        raise ConfigError(
-            f"config.monitor.on_anomaly={mon.on_anomaly!r}: use skip, rollback or log"
-        )
+    choose("monitor.on_anomaly", mon.on_anomaly, ("skip", "rollback", "log"))
     for name in ("spike_zscore", "straggler_factor", "hang_timeout_s", "first_step_timeout_s"):
         if mon[name] < 0:
             raise ConfigError(f"config.monitor.{name}={mon[name]}: must be 0 (off) or more")
@@ -490,10 +506,7 @@ def _validate_monitor(config: ml_collections.ConfigDict) -> None:
             "config.monitor.on_anomaly=rollback needs checkpoints to roll back to; set "
             "config.checkpoint.every_steps > 0 or use on_anomaly=skip"
         )
-    if t.lr_scaling not in ("none", "linear", "sqrt", "surge"):
-        raise ConfigError(
-            f"config.train.lr_scaling={t.lr_scaling!r}: use none, linear, sqrt or surge"
-        )
+    choose("train.lr_scaling", t.lr_scaling, ("none", "linear", "sqrt", "surge"))
     if t.lr_base_batch < 0 or t.lr_noise_batch < 0:
         raise ConfigError(
             f"config.train.lr_base_batch={t.lr_base_batch}, lr_noise_batch={t.lr_noise_batch}: "
@@ -508,10 +521,7 @@ def _validate_monitor(config: ml_collections.ConfigDict) -> None:
 
 def _validate_family(config: ml_collections.ConfigDict) -> None:
     m, d, family = config.model, config.data, config.model.family
-    if family not in FAMILY_OBJECTIVES:
-        raise ConfigError(
-            f"config.model.family={family!r}: use one of {', '.join(FAMILY_OBJECTIVES)}"
-        )
+    choose("model.family", family, FAMILY_OBJECTIVES)
     goal = objective(config)
     if goal != FAMILY_OBJECTIVES[family]:
         raise ConfigError(

@@ -16,7 +16,6 @@ Letters: B batch, T new tokens, S cache length, D model dim, N query heads, K kv
 G query heads per kv head, H head dim, V vocabulary, L layers.
 """
 
-import argparse
 import functools
 import sys
 
@@ -26,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from angel_jax import sharding
+from angel_jax.cli import Parser
 from angel_jax.config import ConfigError
 from angel_jax.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope
 from angel_jax.layers.mlp import DenseMLP
@@ -239,6 +239,13 @@ def generate(
             f"1, temperature >= 0 (0: greedy), 0 <= top_k <= vocab_size (0: all tokens)"
         )
     prompt_BT = np.asarray(prompt_BT, np.int32)
+    vocab = exp.model_config.vocab_size
+    outside = np.unique(prompt_BT[(prompt_BT < 0) | (prompt_BT >= vocab)])
+    if outside.size:  # The embedding lookup would clamp them silently.
+        raise ConfigError(
+            f"generate: prompt token ids {', '.join(map(str, outside[:5]))} lie outside the "
+            f"vocabulary 0..{vocab - 1} (config.model.vocab_size={vocab})"
+        )
     length = prompt_BT.shape[1] + steps
     if model.family == "gpt2" and length > model.max_positions:
         raise ConfigError(
@@ -269,8 +276,10 @@ def load_params_for(exp, checkpoint: str | None):
 
         keep = exp.config.checkpoint.keep  # As the run kept them: nothing is deleted.
         ckpt = Checkpointer(checkpoint, every_steps=0, keep=keep, async_save=False)
-        found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy)
-        ckpt.close()
+        try:
+            found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy)
+        finally:  # Closed on every path: an open one's thread prints tracebacks at exit.
+            ckpt.close()
         if found is None:
             raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there")
         return exp.from_checkpointed(found.state).params
@@ -286,7 +295,7 @@ def load_params_for(exp, checkpoint: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--checkpoint", help="a training run's workdir (its latest checkpoint)")
     parser.add_argument("--prompt-tokens", required=True, help="token ids, e.g. 1,450,4996")

@@ -14,16 +14,12 @@ import sys
 import jax
 
 from angel_jax import cluster, monitor
+from angel_jax.cli import Parser
 from angel_jax.config import ConfigError, load_config
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # One line, like every other input error.
-        self.exit(2, f"error: {message}; usage: {self.format_usage().strip()[7:]}\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--workdir", required=True, help="metrics, TensorBoard logs, checkpoints")
     group = parser.add_argument_group("multi-process runs (default: from SLURM or Open MPI)")
@@ -54,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except monitor.Diverged as e:
         print(f"error: diverged: {e}", file=sys.stderr)
         return monitor.EXIT_DIVERGED
+    except monitor.Stopped as e:  # Saved and said so: nothing more to print.
+        return e.exit_code
     return 0
 
 

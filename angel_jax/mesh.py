@@ -10,8 +10,16 @@ from jax.sharding import AxisType, Mesh
 
 from angel_jax.config import ConfigError
 
-# Outermost to innermost: devices that talk most (tensor) end up closest together.
-AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
+# The mesh axis names, for shard_map regions and their collectives. Outermost to innermost:
+# devices that talk most (tensor) end up closest together.
+DATA, PIPELINE, EXPERT, CONTEXT, SEQUENCE, TENSOR = AXES = (
+    "data",
+    "pipeline",
+    "expert",
+    "context",
+    "sequence",
+    "tensor",
+)
 
 
 def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

@@ -16,7 +16,7 @@ the next step is dispatched, so the device never waits for the host):
   restart. A C-level faulthandler timer backs it up where the main thread holds the GIL.
 
 Events go to `WORKDIR/events.jsonl`, one JSON object a line. `ANGEL_FAULTS` injects faults for
-tests (see `Faults`).
+tests (angel_jax/faults.py).
 """
 
 import collections
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from angel_jax.config import ConfigError
+from angel_jax.faults import Faults
 
 EXIT_HANG = 3  # The watchdog found no step for hang_timeout_s: restart.
 EXIT_DIVERGED = 4  # Anomalies beyond the configured bounds: do not restart.
@@ -45,6 +45,51 @@ EXIT_DIVERGED = 4  # Anomalies beyond the configured bounds: do not restart.
 
 class Diverged(RuntimeError):
     """Anomalies beyond `max_consecutive_anomalies` or `max_rollbacks`: the run stops."""
+
+
+class Stopped(RuntimeError):
+    """SIGINT or SIGTERM: the run saved its last step and stops, exit status 128 + signal
+    (130, 143), which the supervisor does not restart."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM (what SLURM and Kubernetes send before a kill) become a
+    request that the train loop honours after its current step: it saves a checkpoint and
+    stops. A second signal ends the process at once. With several processes, SIGTERM goes
+    through JAX's preemption sync point, so every process stops after the same step."""
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+        if jax.process_count() > 1:
+            return  # JAX's preemption service handles SIGTERM for the processes together.
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:  # The second one: the default action, now.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def after(self, step: int) -> bool:
+        """Whether to stop after `step` (every process gets the same answer)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signum = signal.SIGTERM
+        return self.signum is not None
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,79 +224,6 @@ class Watchdog:
         self.events.write("hang", self.step, every_process=True, timeout_s=self.timeout_s)
         sys.stderr.flush()
         os._exit(EXIT_HANG)
-
-
-class Faults:
-    """Faults injected on purpose, for tests: `ANGEL_FAULTS="crash@3,nan@5"`.
-
-    Process faults fire once per workdir and process (recorded in WORKDIR/faults_fired.PROCESS),
-    so a restarted run does not fire them again: `crash@N` (SIGKILL before step N), `hang@N`
-    (the main thread sleeps before step N), `kill_in_save@N` (SIGKILL right after step N's
-    checkpoint save starts, while it is being written).
-
-    Data faults belong to a batch, the N-th of the data stream (the one step N reads when
-    nothing has been skipped), every time it is read: `nan@N` (an out-of-range token: NaN
-    embeddings, a NaN loss), `spike@N` (uniform random tokens).
-    """
-
-    KINDS = ("crash", "hang", "nan", "spike", "kill_in_save")
-    DATA = ("nan", "spike")
-
-    def __init__(self, spec: str, workdir: str, vocab_size: int):
-        self.pending = set()
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            kind, _, step = item.partition("@")
-            if kind not in self.KINDS or not step.isdigit():
-                raise ConfigError(
-                    f"ANGEL_FAULTS: bad item {item!r}; use KIND@STEP, KIND one of "
-                    f"{', '.join(self.KINDS)}"
-                )
-            self.pending.add((kind, int(step)))
-        self.record = pathlib.Path(workdir) / f"faults_fired.{jax.process_index()}"
-        if self.record.exists():
-            fired = {tuple(line.split("@")) for line in self.record.read_text().split()}
-            self.pending -= {(k, int(s)) for k, s in fired}
-        self.vocab_size = vocab_size
-
-    def _fire(self, kind: str, step: int) -> bool:
-        if (kind, step) not in self.pending:
-            return False
-        if kind in self.DATA:
-            return True
-        self.pending.discard((kind, step))
-        with open(self.record, "a") as f:  # Recorded first: the fault may end the process.
-            f.write(f"{kind}@{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return True
-
-    def before_step(self, step: int, batch_index: int, batch: jax.Array) -> jax.Array:
-        """`batch`, possibly damaged, for step `step` reading batch `batch_index` (from 0)."""
-        if not self.pending:
-            return batch
-        if self._fire("crash", step):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self._fire("hang", step):
-            while True:
-                time.sleep(3600)
-        with jax.transfer_guard("allow"):
-            if self._fire("nan", batch_index + 1):
-                batch = jax.jit(lambda b: b.at[:, 0].set(2**30), out_shardings=batch.sharding)(
-                    batch
-                )
-            if self._fire("spike", batch_index + 1):
-                vocab = self.vocab_size
-                batch = jax.jit(
-                    lambda b: jax.random.randint(
-                        jax.random.key(batch_index), b.shape, 0, vocab, b.dtype
-                    ),
-                    out_shardings=batch.sharding,
-                )(batch)
-        return batch
-
-    def after_save(self, step: int) -> None:
-        if self.pending and self._fire("kill_in_save", step):
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Monitor:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
+from angel_jax.mesh import CONTEXT, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
 
 LOGICAL_AXES = (
     "batch",
@@ -39,15 +40,15 @@ Rules = dict[str, str | tuple[str, ...] | None]
 def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
     """The logical -> mesh axis table for this config, after checking every divisibility."""
     m, t = config.model, config.train
-    tp = mesh.shape["tensor"]
+    tp = mesh.shape[TENSOR]
     _check_divisible("config.model.num_heads", m.num_heads, "config.mesh.tensor", tp)
-    if mesh.shape["sequence"] > 1:  # Ulysses splits each tensor rank's heads further.
-        sp = mesh.shape["sequence"]
+    if mesh.shape[SEQUENCE] > 1:  # Ulysses splits each tensor rank's heads further.
+        sp = mesh.shape[SEQUENCE]
         names = "config.mesh.tensor x config.mesh.sequence"
         _check_divisible("config.model.num_heads", m.num_heads, names, tp * sp)
     _check_divisible("config.model.ffn_dim", m.ffn_dim, "config.mesh.tensor", tp)
     _check_divisible("config.model.vocab_size", m.vocab_size, "config.mesh.tensor", tp)
-    ep = mesh.shape["expert"]
+    ep = mesh.shape[EXPERT]
     if ep > 1:
         if not m.num_experts:
             raise ConfigError(
@@ -56,14 +57,14 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
             )
         _check_divisible("config.model.num_experts", m.num_experts, "config.mesh.expert", ep)
     # Expert parallel ranks also split the batch: tokens travel to their experts' ranks.
-    batch_axes = ("data", "expert") if ep > 1 else ("data",)
+    batch_axes = (DATA, EXPERT) if ep > 1 else (DATA,)
     _check_divisible(
         "config.train.batch_size / config.train.microbatches",
         t.batch_size // t.microbatches,
         " x ".join(f"config.mesh.{a}" for a in batch_axes),
         math.prod(mesh.shape[a] for a in batch_axes),
     )
-    pp = mesh.shape["pipeline"]
+    pp = mesh.shape[PIPELINE]
     if pp > 1:  # Each pipeline microbatch is split over the batch axes.
         _check_divisible(
             "config.train.batch_size / config.pipeline.microbatches",
@@ -73,8 +74,8 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         )
     # Sequence split over `context` (ring attention) and `sequence` (Ulysses), and in norm
     # regions also over `tensor` under Megatron sequence parallel.
-    split = tuple(a for a in ("context", "sequence") if mesh.shape[a] > 1)
-    norm_split = split + (("tensor",) if m.sequence_parallel and tp > 1 else ())
+    split = tuple(a for a in (CONTEXT, SEQUENCE) if mesh.shape[a] > 1)
+    norm_split = split + ((TENSOR,) if m.sequence_parallel and tp > 1 else ())
     ways = math.prod(mesh.shape[a] for a in norm_split)
     names = " x ".join(f"config.mesh.{a}" for a in norm_split)
     _check_divisible("config.train.seq_len", t.seq_len, names, ways)
@@ -83,7 +84,7 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         _check_divisible(
             "config.train.seq_len", t.seq_len, f"config.model.logits_chunks x {names}", chunks
         )
-    if mesh.shape["context"] > 1:  # Zigzag: 2 chunks per context rank, each split further.
+    if mesh.shape[CONTEXT] > 1:  # Zigzag: 2 chunks per context rank, each split further.
         _check_divisible(
             "config.train.seq_len", t.seq_len, f"2 x {names} (ring attention's zigzag)", 2 * ways
         )
@@ -97,16 +98,16 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "length": _axes(split),
         "norm_length": _axes(norm_split),
         "embed": None,
-        "heads": "tensor",
+        "heads": TENSOR,
         # Fewer KV heads than tensor ranks: each rank computes all KV heads (they are cheap
         # under GQA) and attention repeats them to the query heads it holds.
-        "kv_heads": "tensor" if m.num_kv_heads % tp == 0 else None,
+        "kv_heads": TENSOR if m.num_kv_heads % tp == 0 else None,
         "head_dim": None,
-        "mlp": "tensor",
-        "vocab": "tensor",
+        "mlp": TENSOR,
+        "vocab": TENSOR,
         # Stacked layers, stored stage by stage (parallel/pipeline.py), split over the stages.
-        "layers": "pipeline" if pp > 1 else None,
-        "expert": "expert" if ep > 1 else None,
+        "layers": PIPELINE if pp > 1 else None,
+        "expert": EXPERT if ep > 1 else None,
     }
 
 
@@ -201,7 +202,7 @@ def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, keep: tuple[int, ...]
     A state too small to split stays replicated over `data`; that costs little, and every
     large weight matrix has a dimension divisible by any sensible data-parallel size.
     """
-    dp = mesh.shape["data"]
+    dp = mesh.shape[DATA]
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if dp == 1:
         return P(*entries)
@@ -209,7 +210,7 @@ def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, keep: tuple[int, ...]
     if not free:
         return P(*entries)
     best = max(free, key=lambda d: shape[d])
-    entries[best] = "data"
+    entries[best] = DATA
     return P(*entries)
 
 

@@ -34,7 +34,13 @@ import threading
 import time
 
 EXIT_CONFIG, EXIT_HANG, EXIT_DIVERGED = 2, 3, 4  # As angel_jax.launch and angel_jax.monitor.
-FINAL = {0: "finished", EXIT_CONFIG: "bad config or input", EXIT_DIVERGED: "diverged"}
+FINAL = {
+    0: "finished",
+    EXIT_CONFIG: "bad config or input",
+    EXIT_DIVERGED: "diverged",
+    130: "stopped by SIGINT, its step saved",  # 128 + signal: angel_jax.monitor.Stopped.
+    143: "stopped by SIGTERM, its step saved",
+}
 TAIL_LINES = 30
 TERM_GRACE_S = 30.0  # Between SIGTERM and SIGKILL when the supervisor is stopped.
 

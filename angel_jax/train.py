@@ -8,6 +8,7 @@ test imports.
 import dataclasses
 import functools
 import pathlib
+import signal
 import time
 from typing import Any
 
@@ -35,7 +36,7 @@ from angel_jax.models.llama import (
     lm_head_kernel,
     lm_head_logits,
 )
-from angel_jax.monitor import skip_if_anomalous
+from angel_jax.monitor import Stopped, StopRequest, skip_if_anomalous
 from angel_jax.offload.planner import HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
@@ -633,9 +634,11 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
 
     validate(config)
     monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
+    stop = StopRequest()
     try:
-        return _train_loop(config, workdir, monitor)
+        return _train_loop(config, workdir, monitor, stop)
     finally:
+        stop.close()
         monitor.close()
 
 
@@ -654,7 +657,9 @@ def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, i
     return exp.from_checkpointed(found.state), found.data_index
 
 
-def _train_loop(config: ml_collections.ConfigDict, workdir: str, monitor) -> dict | None:
+def _train_loop(
+    config: ml_collections.ConfigDict, workdir: str, monitor, stop: StopRequest
+) -> dict | None:
     from angel_jax.checkpoint import Checkpointer
     from angel_jax.data import make_batches
     from angel_jax.data.loader import process_rows
@@ -752,7 +757,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: str, monitor) -> dic
             pending = None
         if due(step):
             pending = (step, metrics)
-        saving = ckpt is not None and ckpt.should_save(step, t.steps)
+        stopping = stop.after(step)
+        saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))
         # Reads the previous step's loss (and this one's before a save: no anomalous state is
         # ever saved).
         rollback = monitor.observe(step, metrics, data_index, sync=saving)
@@ -771,9 +777,24 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: str, monitor) -> dic
                 pending = None
             ckpt.save(step, exp.checkpointed(state), data_index, exp.plan.policy)
             monitor.saved(step)
+        if stopping:
+            break
     if pending:
         log(*pending)
     if ckpt:
-        ckpt.close()
+        ckpt.close()  # Waits for the last save.
     writer.close()
+    if stop.signum is not None and step < t.steps:
+        name = signal.Signals(stop.signum).name
+        if ckpt:
+            say(
+                f"stopped by {name} after step {step}, saved in {ckpt.directory / str(step)}; "
+                "the same command resumes from there"
+            )
+        else:
+            say(
+                f"stopped by {name} after step {step}; nothing saved "
+                "(config.checkpoint.every_steps=0)"
+            )
+        raise Stopped(stop.signum)
     return last

@@ -176,6 +176,35 @@ def test_config_file_without_get_config(tmp_path):
     assert "defines no get_config()" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            "c.train.stepz = 5",
+            "unknown config key config.train.stepz (did you mean config.train.steps?)",
+        ),
+        (
+            "c.trian = ml_collections.ConfigDict()",
+            "unknown config key config.trian (did you mean config.train?)",
+        ),
+        (
+            "c.model.rope_scaling.kindd = 'x'",
+            "unknown config key config.model.rope_scaling.kindd "
+            "(did you mean config.model.rope_scaling.kind?)",
+        ),
+    ],
+)
+def test_a_key_a_config_file_adds_is_an_error_naming_file_key_and_nearest(tmp_path, line, message):
+    file = tmp_path / "typo.py"
+    file.write_text(
+        "import ml_collections\nfrom angel_jax.config import default_config\n\n\n"
+        f"def get_config():\n    c = default_config()\n    {line}\n    return c\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(str(file))
+    assert str(e.value) == f"--config {file}: {message}"
+
+
 def test_config_file_that_is_not_python(tmp_path):
     file = tmp_path / "tiny.cfg"
     file.write_text("def get_config(): pass\n")

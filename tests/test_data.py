@@ -138,12 +138,14 @@ def test_token_file_without_sidecar_takes_vocab_from_max_id(tmp_path):
 @pytest.mark.parametrize(
     "write, needle",
     [
-        (lambda p: p.write_bytes(b"not a numpy file at all"), "not a readable token file"),
+        (lambda p: p.write_bytes(b"not a numpy file at all"), "not a .npy token array; token"),
+        # A text file: numpy's message speaks of pickles, which would mislead.
+        (lambda p: p.write_text("notes\n"), "not a .npy token array; token files come from"),
         (lambda p: np.save(p, np.zeros((4, 4), np.uint16)), "expected a 1-D"),
         (lambda p: np.save(p, np.zeros(16, np.float32)), "expected a 1-D"),
         (lambda p: np.save(p, np.zeros(0, np.uint16)), "empty"),
     ],
-    ids=["garbage", "2d", "float", "empty"],
+    ids=["garbage", "text", "2d", "float", "empty"],
 )
 def test_bad_token_file_is_config_error(tmp_path, write, needle):
     path = tmp_path / "bad.npy"
@@ -151,7 +153,12 @@ def test_bad_token_file_is_config_error(tmp_path, write, needle):
     with pytest.raises(ConfigError) as e:
         TokenFile(str(path))
     assert str(e.value).startswith(f"config.data.path={path}: ")
-    assert needle in str(e.value)
+    assert needle in str(e.value) and "pickle" not in str(e.value)
+
+
+def test_empty_token_file_setting_is_config_error():
+    with pytest.raises(ConfigError, match="config.data.path is empty: give a token file"):
+        TokenFile("")
 
 
 def test_missing_token_file_names_the_setting_and_the_fix():

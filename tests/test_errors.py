@@ -195,6 +195,9 @@ def test_kv_heads_split_or_replicated_over_tensor():
         (["--config.train.stpes=2"], ["--config.train.stpes", "did you mean steps?"]),
         (["--config.train.steps=two"], ["--config.train.steps=two", "expected int"]),
         (["--config.data.synthetic=maybe"], ["--config.data.synthetic=maybe", "true or false"]),
+        (["--config.model.remat=dots_attn"], ["config.model.remat='dots_attn'", "dots_attention?"]),
+        (["--config.data.path="], ["config.data.path is empty", "data.prepare"]),
+        (["--workdri", "x"], ["unknown flag --workdri; did you mean --workdir?"]),
     ],
     ids=[
         "mesh-product",
@@ -207,6 +210,9 @@ def test_kv_heads_split_or_replicated_over_tensor():
         "unknown-key",
         "wrong-type",
         "bad-bool",
+        "misspelt-value",
+        "empty-data-path",
+        "misspelt-flag",
     ],
 )
 def test_cli_one_line_error(tmp_path, overrides, names):

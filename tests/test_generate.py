@@ -145,6 +145,11 @@ def test_gpt2_cached_decoding_equals_the_full_forward_within_its_positions():
     # The learned position table has 16 rows: a 17th position is refused, not clamped.
     with pytest.raises(ConfigError, match="config.model.max_positions=16"):
         generate.generate(exp, params, prompt, 16 - PROMPT + 1)
+    # Ids outside the vocabulary are refused, not clamped by the embedding lookup.
+    outside = prompt.copy()
+    outside[0, :2] = (VOCAB, 600)
+    with pytest.raises(ConfigError, match=f"prompt token ids {VOCAB}, 600 lie outside"):
+        generate.generate(exp, params, outside, 1)
 
 
 @hf_reference

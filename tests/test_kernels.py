@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import kernels
 from angel_jax.config import ConfigError, default_config, validate
-from angel_jax.layers import moe
+from angel_jax.parallel import expert
 
 tokamax_gpu = pytest.mark.skipif(
     kernels.tokamax_missing() is not None,
@@ -85,7 +85,7 @@ def test_rows_past_the_groups_never_reach_outputs_or_grads(monkeypatch, dense_ro
     down = jnp.swapaxes(gate, 1, 2)
 
     def ours(x, gate, up, down):
-        return moe._dropless(x, top_e, top_p, gate, up, down, first, "xla", dense_rows)
+        return expert.dropless_experts(x, top_e, top_p, gate, up, down, first, "xla", dense_rows)
 
     def dense(x, gate, up, down):  # Every local expert on every row, weighted by its choices.
         h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
@@ -181,7 +181,7 @@ def _grouped_gemm_errors(first=0, dense=0):
 
     def loss(kernel):
         def fn(x, gate, up, down):
-            out = moe._dropless(x, top_e, top_p, gate, up, down, first, kernel, dense)
+            out = expert.dropless_experts(x, top_e, top_p, gate, up, down, first, kernel, dense)
             return jnp.sum(out.astype(jnp.float32) ** 2)
 
         return jax.jit(jax.value_and_grad(fn, (0, 1, 2, 3)))

@@ -86,7 +86,7 @@ def test_dots_attention_policy_saves_the_cudnn_forward_primitives():
     """The policy matches cuDNN attention's forward by primitive name: pinned to JAX's names."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    from angel_jax.models.llama import flash_attention_saveable
+    from angel_jax.remat import flash_attention_saveable
 
     assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p)
     assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p_wrapper)

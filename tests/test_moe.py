@@ -12,8 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.layers.moe import (
-    MoE,
+from angel_jax.layers.moe import MoE
+from angel_jax.mesh import AXES
+from angel_jax.parallel.expert import (
     capacity,
     combine,
     dense_rows,
@@ -21,8 +22,6 @@ from angel_jax.layers.moe import (
     route_expert_choice,
     route_topk,
 )
-
-AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
 
 
 def mesh_of(**sizes):

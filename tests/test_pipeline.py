@@ -21,13 +21,8 @@ from angel_jax.parallel.pipeline import (
     make_schedule,
     theoretical_bubble,
 )
-from angel_jax.parallel.stage_plan import (
-    SAVED_WIDTHS,
-    STAGE_REMATS,
-    balance_layers,
-    effective_remat,
-    make_pipeline_plan,
-)
+from angel_jax.parallel.stage_plan import balance_layers, effective_remat, make_pipeline_plan
+from angel_jax.remat import REMATS, STAGE_REMATS
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -233,7 +228,7 @@ def test_kept_residuals_are_activations_only(remat):
     saved = jax.eval_shape(forward, params, h)
     assert saved and all(x.shape[:2] == (b, t) for x in saved), [x.shape for x in saved]
     # The planner's memory model counts the same bytes (dots_attention is dots_no_batch here).
-    units = SAVED_WIDTHS[effective_remat(cfg, remat)]
+    units = REMATS[effective_remat(cfg, remat)].widths
     widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     assert sum(x.size for x in saved) == b * t * np.dot(units, (*widths, cfg.ffn_dim))
     # Every weight the layer has is looked up again in B, not kept per microbatch.

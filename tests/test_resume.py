@@ -32,9 +32,9 @@ def env():
     return e
 
 
-def launch(workdir):
+def launch(workdir, *overrides):
     return subprocess.Popen(
-        [sys.executable, "-m", "angel_jax.launch", "--workdir", str(workdir), *ARGS],
+        [sys.executable, "-m", "angel_jax.launch", "--workdir", str(workdir), *ARGS, *overrides],
         cwd=ROOT,
         env=env(),
         stdout=subprocess.PIPE,
@@ -94,3 +94,38 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path, expected, kill_after
     log = finish(launch(run))
     assert "resumed from" in log
     assert losses(run) == expected  # Bitwise: the same floats at every step.
+
+
+def metric_steps(workdir) -> list[int]:
+    """Every logged step, in order, repeats included."""
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_the_step_and_resume_recomputes_nothing(tmp_path, expected, signum):
+    """SIGTERM (what SLURM and Kubernetes send) or Ctrl-C: the run finishes its step, saves it
+    (no checkpoint is due before the last step, so the save is the signal's), says so in one
+    line and exits 128 + signal; the same command then runs the remaining steps only, to the
+    same losses as an uninterrupted run, bitwise."""
+    run, rare = tmp_path / "stopped", f"--config.checkpoint.every_steps={STEPS}"
+    proc = launch(run, rare)
+    deadline = time.time() + 240
+    while max(losses(run), default=0) < 4:
+        assert proc.poll() is None and time.time() < deadline, "run ended before the signal"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    stopped_at = max(losses(run))
+    assert stopped_at < STEPS, "stopped too late to test resuming"
+    last = err.strip().splitlines()[-1]
+    name = signal.Signals(signum).name
+    assert last.startswith(f"stopped by {name} after step {stopped_at}, saved in "), last
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert (run / "checkpoints" / str(stopped_at)).is_dir()
+
+    log = finish(launch(run, rare))
+    assert f"resumed from {run / 'checkpoints' / str(stopped_at)}" in log
+    assert metric_steps(run) == list(range(1, STEPS + 1))  # No step ran twice.
+    assert losses(run) == expected

@@ -106,7 +106,15 @@ def test_crash_then_success(tmp_path, monkeypatch):
     assert [i["ended"] for i in incidents] == ["killed by SIGSEGV"]
 
 
-@pytest.mark.parametrize("code, what", [(2, "bad config or input"), (4, "diverged")])
+@pytest.mark.parametrize(
+    "code, what",
+    [
+        (2, "bad config or input"),
+        (4, "diverged"),
+        (130, "stopped by SIGINT, its step saved"),
+        (143, "stopped by SIGTERM, its step saved"),
+    ],
+)
 def test_no_restart_when_a_restart_cannot_help(tmp_path, capsys, code, what):
     status, incidents = supervise(tmp_path, f"raise SystemExit({code})", max_restarts=3)
     assert status == code and incidents == []

@@ -85,6 +85,11 @@ class TokenFile:
     """A memory-mapped token file and its metadata."""
 
     def __init__(self, path: str):
+        if not path:
+            raise ConfigError(
+                "config.data.path is empty: give a token file made by "
+                "`python -m angel_jax.data.prepare`, or leave it unset for the default corpus"
+            )
         file = pathlib.Path(path)
         meta_file = file.with_suffix(".json")
         if not file.is_file():
@@ -97,9 +102,15 @@ class TokenFile:
             self.tokens = np.load(file, mmap_mode="r")
             self.meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
         except (ValueError, OSError, json.JSONDecodeError) as e:
+            # numpy's own text (about pickles for a text file) would mislead: name the kind.
+            what = (
+                f"{meta_file.name} is not JSON"
+                if isinstance(e, json.JSONDecodeError)
+                else ("not a .npy token array")
+            )
             raise ConfigError(
-                f"config.data.path={path}: not a readable token file ({e}); "
-                "re-create it with `python -m angel_jax.data.prepare`"
+                f"config.data.path={path}: {what}; token files come from "
+                "`python -m angel_jax.data.prepare --out FILE.npy TEXT_FILES...`"
             ) from None
         if self.tokens.ndim != 1 or self.tokens.dtype not in (np.uint16, np.uint32, np.int32):
             raise ConfigError(

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from angel_jax import sharding
 from angel_jax.config import ConfigError
 from angel_jax.layers.linear import Linear
+from angel_jax.mesh import CONTEXT
 from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_order
 from angel_jax.sharding import constrain
 
@@ -125,9 +126,9 @@ class Attention(nn.Module):
             )
         if positions is None:
             positions = jnp.arange(length)
-        if split and "context" in (split if isinstance(split, tuple) else (split,)):
+        if split and CONTEXT in (split if isinstance(split, tuple) else (split,)):
             # Ring attention's zigzag: the model sees its tokens in this order.
-            positions = jnp.asarray(zigzag_order(length, mesh.shape["context"]))
+            positions = jnp.asarray(zigzag_order(length, mesh.shape[CONTEXT]))
         if self.rope:
             q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta, self.rope_scaling)
             k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta, self.rope_scaling)

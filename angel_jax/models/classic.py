@@ -11,7 +11,8 @@ import ml_collections
 from flax import linen as nn
 
 from angel_jax.config import head_dim
-from angel_jax.models.llama import REMAT_POLICIES, resolve_attention
+from angel_jax.models.llama import resolve_attention
+from angel_jax.remat import REMATS
 
 # The residual stream's layout (as in Llama; "norm_length" splits under sequence parallel).
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -82,7 +83,7 @@ def run_layers(layer: type[nn.Module], cfg, count: int, name: str, h, *context):
     "layers" axis, named `name`) or unrolled (`name`_0, ...); `context` (masks, biases, the
     encoder's states) is the same for every layer."""
     if cfg.remat != "none":
-        layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        layer = nn.remat(layer, policy=REMATS[cfg.remat].policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
         stack = nn.scan(
             layer,

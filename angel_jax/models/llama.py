@@ -13,41 +13,8 @@ from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
+from angel_jax.remat import REMATS
 from angel_jax.sharding import constrain
-
-# Activations the layers name (checkpoint_name) so remat policies can save or offload them.
-OFFLOADABLE = ("qkv", "attn_out", "mlp_in")
-
-
-def flash_attention_saveable(prim, *_, **__) -> bool:
-    """cuDNN flash attention's forward results (output and softmax statistics): without them
-    the backward pass runs the forward kernel again (9 of 241 ms of a llama_1b step on an H200,
-    experiments/results/profile_llama_1b_dots_no_batch.json)."""
-    return prim.name.startswith("dot_product_attention_fwd")
-
-
-_policies = jax.checkpoint_policies
-_both = _policies.save_from_both_policies
-# dropless MoE's grouped matmuls (layers/moe.py names them): not dot_general, so the dots
-# policies would recompute them in the backward pass.
-_experts = _policies.save_only_these_names("experts")
-
-REMAT_POLICIES = {
-    "full": _policies.nothing_saveable,
-    "dots": _both(_policies.checkpoint_dots, _experts),
-    "dots_no_batch": _both(_policies.dots_with_no_batch_dims_saveable, _experts),
-    # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch).
-    "dots_attention": _both(
-        _both(_policies.dots_with_no_batch_dims_saveable, flash_attention_saveable), _experts
-    ),
-    # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
-    "offload_dots": _policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[],
-        names_which_can_be_offloaded=list(OFFLOADABLE),
-        offload_src="device",
-        offload_dst="pinned_host",
-    ),
-}
 
 
 def resolve_attention(model: ml_collections.ConfigDict, backend: str) -> str:
@@ -235,7 +202,7 @@ class Llama(nn.Module):
             layer = nn.map_variables(layer, "params", trans_in_fn=_to_device, init=True)
         if cfg.remat != "none":
             layer = nn.remat(
-                layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers
+                layer, policy=REMATS[cfg.remat].policy, prevent_cse=not cfg.scan_layers
             )
         if cfg.scan_layers:
             stack = nn.scan(
@@ -303,7 +270,7 @@ def decoder_layer(cfg: LlamaConfig, layer_params, h_BTD: jax.Array) -> jax.Array
         return DecoderLayer(cfg).apply({"params": layer_params}, h_BTD)[0]
 
     if cfg.remat != "none":
-        apply = jax.checkpoint(apply, policy=REMAT_POLICIES[cfg.remat])
+        apply = jax.checkpoint(apply, policy=REMATS[cfg.remat].policy)
     return apply(layer_params, h_BTD)
 
 

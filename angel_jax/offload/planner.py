@@ -35,7 +35,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from angel_jax.config import ConfigError
+from angel_jax.config import ConfigError, choose
+from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
+from angel_jax.remat import REMATS
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 POLICIES = ("none", "optimizer", "params", "auto")
@@ -144,31 +146,18 @@ def _local_bytes(abstract_tree, dtype=None) -> int:
     return total
 
 
-# Saved activations per layer and token, in d_model compute-dtype values, (device, host): about
-# 34 with nothing recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight
-# matmuls' outputs, 2 for the layer input that remat always keeps.
-_SAVED_PER_LAYER = {
-    "none": (34, 0),
-    "dots": (14, 0),
-    "dots_no_batch": (10, 0),
-    "dots_attention": (11, 0),  # And attention's output (its statistics are small).
-    "full": (2, 0),
-    "offload_dots": (2, 10),
-}
-
-
 def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
     """Rough per-device bytes of saved activations (device, host); the device part includes
     the float32 logits and their gradient (one of `logits_chunks` slices at a time)."""
     m, t = config.model, config.train
     # Batch splits over data and expert, positions over context and sequence.
-    splits = math.prod(mesh.shape[a] for a in ("data", "expert", "context", "sequence"))
+    splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
     tokens = t.batch_size // t.microbatches * t.seq_len / splits
     unit = (  # One compute-dtype value per d_model channel, layer and token.
-        m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape["tensor"]
+        m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
     )
-    on_device, on_host = _SAVED_PER_LAYER[m.remat]
-    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape["tensor"] / m.logits_chunks
+    on_device, on_host = REMATS[m.remat].saved
+    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape[TENSOR] / m.logits_chunks
     return int(on_device * unit + logits), int(on_host * unit)
 
 
@@ -220,8 +209,7 @@ def make_plan(
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked.
     """
     policy = config.offload.policy
-    if policy not in POLICIES:
-        raise ConfigError(f"config.offload.policy={policy!r}: use one of {', '.join(POLICIES)}")
+    choose("offload.policy", policy, POLICIES)
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
@@ -259,7 +247,7 @@ def make_plan(
             # Layer weights and grads (in the params' layout: grads return the way weights
             # came) move to the host; two layers at a time visit the device, gathered.
             f32_sum = layer_params * 4 // compute_dtype.itemsize if accumulating else 0
-            gathered = mesh.shape["data"] if config.zero_stage >= 3 else 1
+            gathered = mesh.shape[DATA] if config.zero_stage >= 3 else 1
             out.update(
                 {
                     "compute params": other_params,

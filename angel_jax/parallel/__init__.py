@@ -1,1 +1,2 @@
-"""shard_map regions with explicit collectives (ring attention, all-to-all, pipeline); none yet."""
+"""shard_map regions with explicit collectives: ring and Ulysses attention, expert parallel,
+the pipeline, FP8 collectives."""

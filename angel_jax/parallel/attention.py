@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
 from angel_jax.kernels import RING_BLOCKS
+from angel_jax.mesh import CONTEXT, SEQUENCE
 from angel_jax.sharding import shard_map_mesh
 
 F32 = jnp.float32
@@ -230,12 +231,12 @@ def sequence_parallel_attention(
     (`jax.nn.dot_product_attention`'s) without a ring, `ring_blocks` the ring's block kernels
     ("xla" or "tokamax", angel_jax/kernels.py). Returns (B, T, N, H) like q."""
     length_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
-    ring = "context" in length_axes and mesh.shape["context"] > 1
-    ulysses = "sequence" in length_axes and mesh.shape["sequence"] > 1
+    ring = CONTEXT in length_axes and mesh.shape[CONTEXT] > 1
+    ulysses = SEQUENCE in length_axes and mesh.shape[SEQUENCE] > 1
     heads_axes = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
     split = int(np.prod([mesh.shape[a] for a in heads_axes if a]))
     n = q.shape[2]
-    s = mesh.shape["sequence"] if ulysses else 1
+    s = mesh.shape[SEQUENCE] if ulysses else 1
     if n % (split * s):
         raise ConfigError(
             f"config.model.num_heads={n} is not divisible by config.mesh.tensor x "
@@ -249,19 +250,19 @@ def sequence_parallel_attention(
     def local(q, k, v):
         if ulysses:  # Sequence-split -> head-split.
             to_heads = functools.partial(
-                jax.lax.all_to_all, axis_name="sequence", split_axis=2, concat_axis=1, tiled=True
+                jax.lax.all_to_all, axis_name=SEQUENCE, split_axis=2, concat_axis=1, tiled=True
             )
             q, k, v = to_heads(q), to_heads(k), to_heads(v)
         if ring:
             b, t, nh, h = q.shape
             kh = k.shape[2]
             grouped = q.reshape(b, t, kh, nh // kh, h)
-            out = _ring_attention_local(grouped, k, v, "context", causal, ring_blocks)
+            out = _ring_attention_local(grouped, k, v, CONTEXT, causal, ring_blocks)
             out = out.reshape(b, t, nh, h)
         else:
             out = _local_attention(q, k, v, causal, implementation)
         if ulysses:  # And back.
-            out = jax.lax.all_to_all(out, "sequence", split_axis=1, concat_axis=2, tiled=True)
+            out = jax.lax.all_to_all(out, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
         return out
 
     return jax.shard_map(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import fp8, sharding
+from angel_jax.mesh import DATA
 from kernels_pallas import fp8 as blocks
 
 F32 = jnp.float32
@@ -103,8 +104,8 @@ def gathered_fp8_matmul(x, w, n_in: int, dim: int):
 
 
 def _gathered_fwd(x, w, n_in, dim):
-    (xq, xs), (wq, ws) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3, "data")
-    wq = jax.lax.all_gather(_as_bytes(wq), "data", axis=dim, tiled=True)
+    (xq, xs), (wq, ws) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3, DATA)
+    wq = jax.lax.all_gather(_as_bytes(wq), DATA, axis=dim, tiled=True)
     wq = jax.lax.bitcast_convert_type(wq, fp8.E4M3)
     forward, _, _ = fp8.dims(x.ndim, w.ndim, n_in)
     return fp8.scaled_dot(xq, wq, xs * ws, forward, x.dtype), (xq, xs, wq, ws)
@@ -112,7 +113,7 @@ def _gathered_fwd(x, w, n_in, dim):
 
 def _gathered_bwd(n_in, dim, residuals, g):
     dx, dw = fp8.backward(*residuals, g, n_in)
-    return dx, reduce_scatter_fp8(dw, "data", dim)
+    return dx, reduce_scatter_fp8(dw, DATA, dim)
 
 
 gathered_fp8_matmul.defvjp(_gathered_fwd, _gathered_bwd)
@@ -128,21 +129,21 @@ def zero3_dot(x, w, axes: tuple[str, ...], n_in: int, fp8_matmul: bool) -> jax.A
     forward, _, _ = fp8.dims(x.ndim, w.ndim, n_in)
     dot = fp8.matmul if fp8_matmul else lambda x, w, n_in: jax.lax.dot_general(x, w, forward)
     stored = sharding.zero_spec(sharding.active_spec(axes), w.shape, mesh)
-    if "data" not in stored:  # Too small to split: replicated, nothing to gather.
+    if DATA not in stored:  # Too small to split: replicated, nothing to gather.
         return dot(x, sharding.constrain(w, axes), n_in)
-    dim = list(stored).index("data")
-    w_spec = P(*("data" if d == dim else None for d in range(w.ndim)))
+    dim = list(stored).index(DATA)
+    w_spec = P(*(DATA if d == dim else None for d in range(w.ndim)))
 
     def local(x, w):
         if fp8_matmul:
             return gathered_fp8_matmul(x, w, n_in, dim)
-        return dot(x, all_gather_fp8(w, "data", dim), n_in)
+        return dot(x, all_gather_fp8(w, DATA, dim), n_in)
 
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P("data"), w_spec),
-        out_specs=P("data"),
-        axis_names={"data"},
+        in_specs=(P(DATA), w_spec),
+        out_specs=P(DATA),
+        axis_names={DATA},
         check_vma=False,
     )(x, w)

@@ -47,10 +47,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.config import ConfigError
+from angel_jax.config import SCHEDULES, ConfigError
+from angel_jax.mesh import CONTEXT, PIPELINE
 from angel_jax.sharding import shard_map_mesh
 
-SCHEDULES = ("gpipe", "1f1b", "circular")
 IDLE = -1  # A table entry's microbatch when the stage has nothing to do.
 
 
@@ -258,7 +258,7 @@ def pipeline_grads(
     # Manual over the pipeline axis only, unless it is the mesh's one split axis: then manual
     # over all (cuDNN attention's custom partitioner fails in a partly manual region), with
     # nothing left to lay out inside.
-    fully_manual = {a for a in mesh.axis_names if mesh.shape[a] > 1} <= {"pipeline"}
+    fully_manual = {a for a in mesh.axis_names if mesh.shape[a] > 1} <= {PIPELINE}
     pin = lambda x, spec=hidden_spec: (
         x
         if fully_manual
@@ -284,7 +284,7 @@ def pipeline_grads(
     # stage on stale inputs with its results dropped, and every padded layer slot runs (zero
     # weights: an exact identity, with zero grads); the predicates are then the same on every
     # device.
-    uniform = mesh.shape["context"] > 1
+    uniform = mesh.shape[CONTEXT] > 1
 
     def maybe(pred, run, skip, *operands, anywhere=None):
         """`lax.cond(pred, run, skip, *operands)`; with `uniform`, on `anywhere` (a predicate
@@ -312,7 +312,7 @@ def pipeline_grads(
         return objective, metrics, head_residuals.save(vjp, shared)
 
     def stage(layers, mask, shared, tokens, targets, forward_table, backward_table, busy):
-        s = jax.lax.axis_index("pipeline")
+        s = jax.lax.axis_index(PIPELINE)
         # (v x slots, ...) on this stage -> (v, slots, ...): its chunks.
         layers = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), layers)
         pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
@@ -388,7 +388,7 @@ def pipeline_grads(
                 lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
             )
             sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
-            recv_f = pin(jax.lax.ppermute(out, "pipeline", [(i, (i + 1) % p) for i in range(p)]))
+            recv_f = pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))
 
             # B: the chunk's backward from its kept residuals; add its grads, send the input's.
             b_active = b_mb != IDLE
@@ -409,7 +409,7 @@ def pipeline_grads(
             d_x, grads, shared_grads = maybe(
                 b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
             )
-            recv_b = pin(jax.lax.ppermute(d_x, "pipeline", [(i, (i - 1) % p) for i in range(p)]))
+            recv_b = pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))
             return (recv_f, recv_b, kept, grads, shared_grads, sums), None
 
         kept_one = (
@@ -425,19 +425,19 @@ def pipeline_grads(
         carry, _ = jax.lax.scan(tick, carry, (forward_table, backward_table, busy))
         _, _, _, grads, shared_grads, sums = carry
         # Only the first stage has embedding grads, only the last head grads and metrics.
-        shared_grads, sums = jax.lax.psum((shared_grads, sums), "pipeline")
+        shared_grads, sums = jax.lax.psum((shared_grads, sums), PIPELINE)
         grads = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), grads)
         return jax.tree.map(lambda x: x / m, sums), grads, shared_grads
 
-    on_stages = P("pipeline")
+    on_stages = P(PIPELINE)
     layer_specs = jax.tree.map(lambda _: on_stages, layers)
-    table_spec = P(None, "pipeline")
+    table_spec = P(None, PIPELINE)
     run = jax.shard_map(
         stage,
         mesh=mesh,
         in_specs=(layer_specs, on_stages, P(), P(), P(), table_spec, table_spec, P()),
         out_specs=(P(), layer_specs, P()),
-        axis_names=set(mesh.axis_names) if fully_manual else {"pipeline"},
+        axis_names=set(mesh.axis_names) if fully_manual else {PIPELINE},
         check_vma=False,
     )
     with sharding.no_rules() if fully_manual else contextlib.nullcontext():

@@ -31,21 +31,12 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError
+from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.models.llama import LlamaConfig
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
+from angel_jax.remat import REMATS, STAGE_REMATS
 
-# The layer policies a pipeline offers, fastest first. Each keeps activations only (the
-# residuals of every microbatch in flight are kept per slot; a policy that saved a cast of a
-# weight would keep a copy of it per slot). `auto` tries them in this order.
-STAGE_REMATS = ("dots_attention", "dots_no_batch", "full")
-# Extra forward work a policy recomputes in a backward, as a share of the layer's attention
-# and of its weight matmuls; and the bytes per token it keeps for the backward in units of
-# (model dim, attention width, KV width, FFN width): the layer's input, then Q, K, V, the
-# attention output's projection and the gate and up projections for the dots policies, and
-# cuDNN's attention output for dots_attention (its statistics are a few bytes per head).
-RECOMPUTE = {"dots_attention": (0, 0), "dots_no_batch": (1, 0), "full": (1, 1)}
-SAVED_WIDTHS = {"dots_attention": (2, 2, 2, 2), "dots_no_batch": (2, 1, 2, 2), "full": (1, 0, 0, 0)}
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
 
@@ -106,7 +97,7 @@ def layer_forward_flops(cfg: LlamaConfig, seq_len: int, remat: str) -> tuple[flo
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     matmul = 2 * (attn + 3 * cfg.d_model * cfg.ffn_dim)
     attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
-    share_attention, share_matmul = RECOMPUTE[effective_remat(cfg, remat)]
+    share_attention, share_matmul = REMATS[effective_remat(cfg, remat)].recompute
     return matmul + attention, share_attention * attention + share_matmul * matmul
 
 
@@ -169,7 +160,7 @@ def make_pipeline_plan(
 ) -> PipelinePlan:
     """The plan for `config.pipeline` on a mesh of `mesh_shape`; checks the settings."""
     pc, t = config.pipeline, config.train
-    p, v, m = mesh_shape["pipeline"], pc.virtual_stages, pc.microbatches
+    p, v, m = mesh_shape[PIPELINE], pc.virtual_stages, pc.microbatches
     chunks = p * v
     unsupported = {
         "config.train.microbatches": (
@@ -194,7 +185,7 @@ def make_pipeline_plan(
             "the last stage computes one microbatch's logits at a time already",
         ),
     }
-    if cfg.attention == "cudnn" and any(n > 1 for a, n in mesh_shape.items() if a != "pipeline"):
+    if cfg.attention == "cudnn" and any(n > 1 for a, n in mesh_shape.items() if a != PIPELINE):
         # The stages' shard_map is then manual over `pipeline` only (pipeline.py).
         unsupported["config.model.attention"] = (
             "cudnn",
@@ -214,7 +205,7 @@ def make_pipeline_plan(
             "lower one of them"
         )
     schedule = make_schedule(pc.schedule, p, m, v)
-    others = math.prod(n for a, n in mesh_shape.items() if a != "pipeline")
+    others = math.prod(n for a, n in mesh_shape.items() if a != PIPELINE)
     tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
     budget = _device_budget(config)
     options = STAGE_REMATS if pc.remat == "auto" else (pc.remat,)
@@ -231,7 +222,7 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
 
     # With `context` split every stage runs its padded slots too (pipeline.py): every chunk
     # then costs as many layers as the longest, and the even split is as good as any.
-    uniform = mesh_shape["context"] > 1
+    uniform = mesh_shape[CONTEXT] > 1
 
     def chunk_flops(counts):
         """(F, B) FLOPs per chunk and microbatch: a layer's F is a forward, its B the
@@ -264,7 +255,7 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     """(stages,) estimated bytes per device; `tokens` are a microbatch's per device of the
     work (split over `tensor` too), so a device holds the activations of tokens x tensor."""
     p, v = schedule.stages, schedule.virtual
-    dp, tp = mesh_shape["data"], mesh_shape["tensor"]
+    dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
     rows = tokens * tp
     zero = config.zero_stage
     # Master, grad, pipeline accumulator, two AdamW moments (fp32), ZeRO's share over data.
@@ -281,7 +272,7 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     d = cfg.d_model / (tp if config.model.sequence_parallel else 1)
     kv = cfg.num_kv_heads * cfg.head_dim / (tp if cfg.num_kv_heads % tp == 0 else 1)
     widths = (d, cfg.num_heads * cfg.head_dim / tp, kv, cfg.ffn_dim / tp)
-    units = SAVED_WIDTHS[effective_remat(cfg, remat)]
+    units = REMATS[effective_remat(cfg, remat)].widths
     saved = sum(u * w for u, w in zip(units, widths, strict=True))
     # Per slot: a chunk's layer slots' residuals and the head's input; one slot more for the
     # copies in flight (an F's new residuals before they go into the buffer, a B's slot).

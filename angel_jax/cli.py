@@ -1,0 +1,30 @@
+"""The command-line parser of the launcher and the generator: one-line errors, and `--config.KEY=
+VALUE` overrides passed through while any other unknown flag is refused by name."""
+
+import argparse
+import difflib
+import re
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)  # --work is not --workdir: say so.
+
+    def error(self, message):  # One line, like every other input error.
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """(known flags, the `--config.` overrides); a misspelt flag is named before a
+        required one is missed."""
+        args = sys.argv[1:] if args is None else list(args)
+        known = sorted(s for action in self._actions for s in action.option_strings)
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            is_flag = re.match(r"--?[A-Za-z]", flag)  # Not a value such as -1.
+            if is_flag and not flag.startswith("--config.") and flag not in known:
+                close = difflib.get_close_matches(flag, known, n=1)
+                self.error(
+                    f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else "")
+                )
+        return super().parse_known_args(args, namespace)

@@ -1,0 +1,73 @@
+"""Remat policies: one table, read by config validation, the models and both memory planners.
+
+Each entry names its JAX checkpoint policy and what the planners need of it: the activations it
+keeps per layer and token for the backward pass (in d_model values of the compute dtype, on the
+device and in pinned host memory; the ZeRO-Cache planner's estimate), and, for the policies a
+pipeline offers, the extra forward work it recomputes and the widths it keeps (the stage
+planner's finer model, checked against the compiled layer in tests/test_pipeline.py).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+# Activations the layers name (checkpoint_name) so remat policies can save or offload them.
+OFFLOADABLE = ("qkv", "attn_out", "mlp_in")
+
+
+def flash_attention_saveable(prim, *_, **__) -> bool:
+    """cuDNN flash attention's forward results (output and softmax statistics): without them
+    the backward pass runs the forward kernel again (9 of 241 ms of a llama_1b step on an H200,
+    experiments/results/profile_llama_1b_dots_no_batch.json)."""
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    policy: Callable | None  # For jax.checkpoint; None: no remat.
+    # Saved per layer and token in d_model values, (device, host): about 34 with nothing
+    # recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight matmuls'
+    # outputs, 2 for the layer input that remat always keeps.
+    saved: tuple[int, int]
+    # Pipelines only (None: not offered there). The share of the layer's attention and of its
+    # weight matmuls recomputed in a backward; the values kept per token in units of (model
+    # dim, attention width, KV width, FFN width): the layer's input, then Q, K, V, the
+    # attention output's projection and the gate and up projections for the dots policies,
+    # and cuDNN's attention output for dots_attention (its statistics are a few bytes a head).
+    recompute: tuple[int, int] | None = None
+    widths: tuple[int, int, int, int] | None = None
+
+
+_policies = jax.checkpoint_policies
+_both = _policies.save_from_both_policies
+# dropless MoE's grouped matmuls (parallel/expert.py names them): not dot_general, so the dots
+# policies would recompute them in the backward pass.
+_experts = _policies.save_only_these_names("experts")
+_dots_no_batch = _both(_policies.dots_with_no_batch_dims_saveable, _experts)
+
+# In the order a pipeline's `remat=auto` tries its policies: fastest first.
+REMATS = {
+    "none": Remat(None, (34, 0)),
+    "dots": Remat(_both(_policies.checkpoint_dots, _experts), (14, 0)),
+    # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch).
+    "dots_attention": Remat(
+        _both(_dots_no_batch, flash_attention_saveable), (11, 0), (0, 0), (2, 2, 2, 2)
+    ),
+    "dots_no_batch": Remat(_dots_no_batch, (10, 0), (1, 0), (2, 1, 2, 2)),
+    "full": Remat(_policies.nothing_saveable, (2, 0), (1, 1), (1, 0, 0, 0)),
+    # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
+    "offload_dots": Remat(
+        _policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(OFFLOADABLE),
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+        (2, 10),
+    ),
+}
+# The layer policies a pipeline offers. Each keeps activations only (the residuals of every
+# microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
+# copy of it per slot).
+STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.widths is not None)
