@@ -80,5 +80,5 @@ def test_surge_needs_the_noise_batch():
     with pytest.raises(ConfigError, match="config.train.lr_noise_batch"):
         validate(config)
     config.train.lr_scaling = "cubic"
-    with pytest.raises(ConfigError, match="use none, linear, sqrt or surge"):
+    with pytest.raises(ConfigError, match="use one of none, linear, sqrt, surge"):
         validate(config)

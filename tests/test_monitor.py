@@ -221,7 +221,7 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--config.monitor.on_anomaly=retry"], "use skip, rollback or log"),
+        (["--config.monitor.on_anomaly=retry"], "use one of skip, rollback, log"),
         (
             ["--config.monitor.on_anomaly=rollback", "--config.checkpoint.every_steps=0"],
             "needs checkpoints to roll back to",
