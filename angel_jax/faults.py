@@ -8,6 +8,7 @@ import signal
 import time
 
 import jax
+import numpy as np
 
 from angel_jax.config import ConfigError
 
@@ -67,19 +68,30 @@ class Faults:
                 time.sleep(3600)
         with jax.transfer_guard("allow"):
             if self._fire("nan", batch_index + 1):
-                batch = jax.jit(lambda b: b.at[:, 0].set(2**30), out_shardings=batch.sharding)(
-                    batch
-                )
+                batch = _damaged(batch, _out_of_range_first_token)
             if self._fire("spike", batch_index + 1):
-                vocab = self.vocab_size
-                batch = jax.jit(
-                    lambda b: jax.random.randint(
-                        jax.random.key(batch_index), b.shape, 0, vocab, b.dtype
-                    ),
-                    out_shardings=batch.sharding,
-                )(batch)
+                rng = np.random.default_rng(batch_index)
+                tokens = rng.integers(0, self.vocab_size, batch.shape).astype(batch.dtype)
+                batch = _damaged(batch, lambda block, index: tokens[index])
         return batch
 
     def after_save(self, step: int) -> None:
         if self.pending and self._fire("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _out_of_range_first_token(block, index):
+    if (index[1].start or 0) == 0:  # This shard holds the rows' first tokens.
+        block = block.copy()
+        block[:, 0] = 2**30
+    return block
+
+
+def _damaged(batch: jax.Array, damage) -> jax.Array:
+    """`batch` with `damage(host block, its index)` applied to each of this process's shards,
+    on the host: no program to compile, which under load could outlast a short hang timeout."""
+    shards = [
+        jax.device_put(damage(np.asarray(s.data), s.index), s.device)
+        for s in batch.addressable_shards
+    ]
+    return jax.make_array_from_single_device_arrays(batch.shape, batch.sharding, shards)

@@ -688,6 +688,14 @@ def _train_loop(
     train_step = monitor.step_fn(exp)  # Compiled before the state takes the device's memory.
     state, data_index = _restore_or_init(exp, ckpt, monitor, say)
     start = int(jax.device_get(state.step))
+    if start >= t.steps:
+        say(
+            f"nothing to do: the checkpoint is at step {start} and config.train.steps="
+            f"{t.steps}; raise config.train.steps to train further"
+        )
+        if ckpt:
+            ckpt.close()
+        return None
 
     cfg = exp.model_config
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state.params))
