@@ -234,8 +234,8 @@ def _check_known_keys(config, defaults, source: str, prefix: str = "config") -> 
         key = f"{prefix}.{name}"
         if name not in defaults:
             close = difflib.get_close_matches(name, sorted(defaults.keys()), n=1)
-            hint = f"did you mean {prefix}.{close[0]}?" if close else f"keys of {prefix}: "
-            hint += "" if close else ", ".join(sorted(defaults.keys()))
+            keys = ", ".join(sorted(defaults.keys()))
+            hint = f"did you mean {prefix}.{close[0]}?" if close else f"keys of {prefix}: {keys}"
             raise ConfigError(f"{source}: unknown config key {key} ({hint})")
         if isinstance(config[name], ml_collections.ConfigDict) and isinstance(
             defaults[name], ml_collections.ConfigDict

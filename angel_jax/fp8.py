@@ -62,8 +62,7 @@ def _matmul_fwd(x, w, n_in):
 
 
 def _matmul_bwd(n_in, residuals, g):
-    xq, xs, wq, ws = residuals
-    return backward(xq, xs, wq, ws, g, n_in)
+    return backward(*residuals, g, n_in)
 
 
 def backward(xq, xs, wq, ws, g, n_in):

@@ -690,7 +690,7 @@ def _train_loop(
     start = int(jax.device_get(state.step))
     if start >= t.steps:
         say(
-            f"nothing to do: the checkpoint is at step {start} and config.train.steps="
+            f"nothing to do: the run is at step {start} and config.train.steps="
             f"{t.steps}; raise config.train.steps to train further"
         )
         if ckpt:

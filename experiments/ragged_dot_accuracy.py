@@ -6,26 +6,16 @@ and tokamax's forward + backward TFLOP/s (experiments/results/ragged_dot_accurac
     python experiments/ragged_dot_accuracy.py      # on a GPU with tokamax
 """
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tokamax
+from throughput import timed
 
 
 def relative(a, b) -> float:
     a, b = np.float32(a), np.float32(b)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def timed(fn, *args, reps=10) -> float:
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
 
 
 def aligned(sizes: np.ndarray, m: int, align: int) -> np.ndarray:

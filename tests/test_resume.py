@@ -130,5 +130,5 @@ def test_a_stop_signal_saves_the_step_and_resume_recomputes_nothing(tmp_path, ex
     assert metric_steps(run) == list(range(1, STEPS + 1))  # No step ran twice.
     assert losses(run) == expected
     # Once more: nothing left to do, and it says so.
-    assert "nothing to do: the checkpoint is at step 12" in finish(launch(run, rare))
+    assert "nothing to do: the run is at step 12" in finish(launch(run, rare))
     assert metric_steps(run) == list(range(1, STEPS + 1))
