@@ -52,7 +52,7 @@ VARIANTS = [
         0,
     ),
     (
-        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, fp8 matmul",
+        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, fp8 matmul + lm head",
         "llama3_8b",
         [
             "--config.offload.policy=optimizer",
@@ -60,6 +60,7 @@ VARIANTS = [
             "--config.train.batch_size=128",
             "--config.train.microbatches=128",
             "--config.fp8.matmul=true",
+            "--config.fp8.lm_head=true",
         ],
         0,
     ),

@@ -309,8 +309,9 @@ def test_fp8_matmul_compiles_to_cublas_fp8_gemms_forward_and_backward():
     """On Hopper and later: the forward dot and both backward dots are cuBLAS FP8 GEMMs, and
     no bf16 GEMM is left."""
     kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (2, 256, 512), jnp.bfloat16)
-    w = jax.random.normal(kw, (512, 8, 128), jnp.bfloat16)  # Two output dims, as a query's.
+    # A layer's size: on tiny shapes XLA's autotuner may pick its Triton FP8 GEMM instead.
+    x = jax.random.normal(kx, (8, 2048, 2048), jnp.bfloat16)
+    w = jax.random.normal(kw, (2048, 16, 128), jnp.bfloat16)  # Two output dims, as a query's.
     loss = lambda x, w: jnp.sum(fp8_matmul.matmul(x, w).astype(jnp.float32) ** 2)
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
     calls = collections.Counter(

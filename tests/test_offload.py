@@ -12,6 +12,7 @@ from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
+from angel_jax.offload import planner
 from angel_jax.offload.planner import DEVICE, HOST, check_compiled
 from angel_jax.train import build
 from tests.test_train_parity import small_config
@@ -364,6 +365,20 @@ def test_compiled_step_that_outgrows_the_plan_is_refused_before_allocating():
         ConfigError, match=r"compiled train step needs 31\.4 GiB .* 30\.4 GiB usable"
     ):
         check_compiled(plan, types.SimpleNamespace(temp_size_in_bytes=int(room) + 2**30))
+
+
+def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):
+    """The H200's 8B offload run was refused for the allocators' defaults (75% of the GPU,
+    64 GB pinned): the error must name the two settings, and only where they bind."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.5")
+    fixes = " ".join(planner.pool_fixes({DEVICE, HOST}, backend="gpu"))
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in fixes
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, now 0.5" in fixes
+    assert planner.pool_fixes({DEVICE, HOST}, backend="cpu") == []
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(2**20))  # Above any host.
+    assert planner.pool_fixes({DEVICE, HOST}, backend="gpu") == []
 
 
 @pytest.mark.parametrize("in_flight", [1, 3])

@@ -111,8 +111,7 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
     host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
     if jax.default_backend() == "gpu":  # XLA's pinned-host pool stops at its cap.
-        cap = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
-        host = min(host, int(cap * 2**30))
+        host = min(host, int(_pinned_pool_cap_gb() * 2**30))
     local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
     if o.ssd_dir:
@@ -125,6 +124,27 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
             ssd = shutil.disk_usage(existing).free
         budget[SSD] = ssd // local_devices
     return budget
+
+
+def _pinned_pool_cap_gb() -> float:
+    return float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
+
+
+def pool_fixes(short: set[str], backend: str | None = None) -> list[str]:
+    """On a GPU, the allocator settings that shrink the `short` tiers below what the machine
+    has: the device pool (75% of the GPU unless told) and the pinned-host pool's cap (64 GB)."""
+    if (backend or jax.default_backend()) != "gpu":
+        return []
+    fixes = []
+    if DEVICE in short and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        fixes.append("a larger device pool (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; default 0.75)")
+    cap = _pinned_pool_cap_gb()
+    if HOST in short and cap * 2**30 < _host_available():
+        fixes.append(
+            f"a larger pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, now {cap:g}; "
+            f"the host has {_host_available() / 2**30:.0f} GiB available)"
+        )
+    return fixes
 
 
 def _host_available() -> int:
@@ -320,7 +340,8 @@ def make_plan(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
         for t in plan.budget
     )
-    fixes = ["more devices"]
+    short = {t for t in plan.budget if plan.tier_bytes(t) > USABLE * plan.budget[t]}
+    fixes = [*pool_fixes(short), "more devices"]
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
@@ -346,10 +367,11 @@ def check_compiled(plan: Plan, memory) -> None:
     need = plan.tier_bytes(DEVICE) - estimate + memory.temp_size_in_bytes
     usable = USABLE * plan.budget[DEVICE]
     if need > usable:
+        fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
+        fixes += ["more remat (config.model.remat)", "a smaller batch or model", "more devices"]
         raise ConfigError(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "
             f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "
             f"estimate of {estimate / 2**30:.1f} GiB of activations), more than the "
-            f"{usable / 2**30:.1f} GiB usable: use config.offload.policy=auto or params, "
-            f"more remat (config.model.remat), a smaller batch or model, or more devices"
+            f"{usable / 2**30:.1f} GiB usable: use {', '.join(fixes[:-1])} or {fixes[-1]}"
         )

@@ -104,7 +104,7 @@ def gathered_fp8_matmul(x, w, n_in: int, dim: int):
 
 
 def _gathered_fwd(x, w, n_in, dim):
-    (xq, xs), (wq, ws) = fp8.quantize(x, fp8.E4M3), fp8.quantize(w, fp8.E4M3, DATA)
+    (xq, xs), (wq, ws) = fp8.quantize(x, fp8.E4M3), fp8.quantize(fp8.row_major(w), fp8.E4M3, DATA)
     wq = jax.lax.all_gather(_as_bytes(wq), DATA, axis=dim, tiled=True)
     wq = jax.lax.bitcast_convert_type(wq, fp8.E4M3)
     forward, _, _ = fp8.dims(x.ndim, w.ndim, n_in)
