@@ -27,147 +27,44 @@ from jax.sharding import NamedSharding
 from angel_jax import sharding
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError
-from angel_jax.layers import Embed, Linear, RMSNorm, SwiGLU, apply_rope
-from angel_jax.layers.mlp import DenseMLP
-from angel_jax.layers.moe import MoE
-from angel_jax.layers.norm import LayerNorm
-from angel_jax.models.classic import ClassicConfig
-from angel_jax.models.llama import LlamaConfig, embed_tokens, final_norm, lm_head_kernel
+from angel_jax.models import FAMILIES, family_of
 from angel_jax.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
-FAMILIES = ("llama", "gpt2")  # Those generate() covers.
-ModelConfig = LlamaConfig | ClassicConfig  # ClassicConfig: GPT-2's, the one classic decoder.
+# The families generate() covers: those with a KV-cache layer (family.py).
+DECODERS = tuple(name for name, f in FAMILIES.items() if f.pieces and f.pieces.decode_layer)
 
 
-def _is_gpt2(cfg: ModelConfig) -> bool:
-    return isinstance(cfg, ClassicConfig)
-
-
-def _kv_heads(cfg: ModelConfig) -> int:
-    return cfg.num_heads if _is_gpt2(cfg) else cfg.num_kv_heads  # GPT-2: one per query head.
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+def init_cache(pieces, cfg, batch: int, length: int) -> dict:
     """Keys and values of every layer, (L, B, S, K, H) each, zero until written."""
-    shape = (cfg.num_layers, batch, length, _kv_heads(cfg), cfg.head_dim)
+    shape = (cfg.num_layers, batch, length, pieces.kv_heads(cfg), cfg.head_dim)
     zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return dict(k=constrain(zeros, CACHE_AXES), v=constrain(zeros, CACHE_AXES))
 
 
-def _attention(cfg: ModelConfig, p, x_BTD, k_BSKH, v_BSKH, start):
-    """Causal attention of the T new tokens (at positions start..start+T-1) over the cache,
-    after writing their keys and values into it. Returns (out, k cache, v cache)."""
-    dtype, gpt2 = jnp.dtype(cfg.dtype), _is_gpt2(cfg)
-    n, k, h = cfg.num_heads, _kv_heads(cfg), cfg.head_dim
-    project = lambda features, axes, name, x: Linear(features, axes, dtype, use_bias=gpt2).apply(
-        {"params": p[name]}, x
-    )
-    positions = start + jnp.arange(x_BTD.shape[1])
-    # GPT-2's positions were added to its embeddings; Llama rotates queries and keys.
-    rope = lambda x: x if gpt2 else apply_rope(x, positions, cfg.rope_theta, cfg.rope_scaling)
-    q_BTNH = rope(project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD))
-    new_k = rope(project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD))
-    new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
-    k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
-    v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
-    b, t = x_BTD.shape[:2]
-    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    scores = scores / np.sqrt(h)
-    visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
-    scores = jnp.where(visible_TS, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    o_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH).reshape(b, t, n, h)
-    out = project((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), "out", o_BTNH)
-    return out, k_BSKH, v_BSKH
-
-
-def _llama_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
-    """One decoder layer (as models/llama.py's DecoderLayer) over the new tokens."""
-    dtype = jnp.dtype(cfg.dtype)
-    norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
-    attn, k_BSKH, v_BSKH = _attention(
-        cfg, p["attn"], norm("attn_norm", h_BTD), k_BSKH, v_BSKH, start
-    )
-    h_BTD = h_BTD + attn
-    x = norm("mlp_norm", h_BTD)
-    if not cfg.num_experts:
-        return h_BTD + SwiGLU(cfg.ffn_dim, dtype).apply({"params": p["mlp"]}, x), k_BSKH, v_BSKH
-    moe = MoE(
-        cfg.num_experts,
-        cfg.experts_per_token,
-        cfg.moe_ffn_dim,
-        cfg.router,
-        cfg.capacity_factor,
-        dtype,
-    )
-    y, _ = moe.apply({"params": p["moe"]}, x)
-    if cfg.shared_experts:
-        shared = SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype)
-        y = y + shared.apply({"params": p["shared"]}, x)
-    return h_BTD + y, k_BSKH, v_BSKH
-
-
-def _gpt2_layer(cfg: ClassicConfig, p, h_BTD, k_BSKH, v_BSKH, start):
-    """One GPT-2 block (as models/gpt2.py's GPT2Block) over the new tokens."""
-    dtype = jnp.dtype(cfg.dtype)
-    norm = lambda name, x: LayerNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
-    attn, k_BSKH, v_BSKH = _attention(
-        cfg, p["attn"], norm("attn_norm", h_BTD), k_BSKH, v_BSKH, start
-    )
-    h_BTD = h_BTD + attn
-    mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype)
-    return h_BTD + mlp.apply({"params": p["mlp"]}, norm("mlp_norm", h_BTD)), k_BSKH, v_BSKH
-
-
-def stacked_layers(cfg: ModelConfig, params):
+def stacked_layers(pieces, cfg, params):
     """The layers' params with a leading layer axis, whether scanned (`layers`) or not."""
     if "layers" in params:
         return params["layers"]
-    name = "layers_{}" if _is_gpt2(cfg) else "layer_{}"  # As each model names them unrolled.
-    per_layer = [params[name.format(i)] for i in range(cfg.num_layers)]
+    per_layer = [params[pieces.unrolled_name.format(i)] for i in range(cfg.num_layers)]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
-def _embed(cfg: ModelConfig, params, tokens_BT, start):
-    """The tokens' embeddings; GPT-2 adds its learned positions start..start+T-1 (generate()
-    checks they exist: a slice past the table's end would be clamped, not refused)."""
-    h_BTD = embed_tokens(cfg, params, tokens_BT)
-    if not _is_gpt2(cfg):
-        return h_BTD
-    table = params["pos_embed"].astype(h_BTD.dtype)
-    return h_BTD + jax.lax.dynamic_slice_in_dim(table, start, tokens_BT.shape[1])
-
-
-def _logits(cfg: ModelConfig, params, h_BTD):
-    """The last layer's states through the final norm and the LM head: (B, T, V) float32."""
-    if not _is_gpt2(cfg):
-        h_BTD = final_norm(cfg, params, h_BTD)
-        return jnp.einsum("btd,dv->btv", h_BTD, lm_head_kernel(cfg, params)).astype(jnp.float32)
-    dtype = jnp.dtype(cfg.dtype)
-    h_BTD = LayerNorm(cfg.norm_eps, dtype).apply({"params": params["final_norm"]}, h_BTD)
-    h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
-    # GPT-2's head is its embedding table whatever config.model.tie_embeddings says.
-    embed = Embed(cfg.vocab_size, cfg.d_model, dtype)
-    return embed.apply({"params": params["embed"]}, h_BTD, method="attend").astype(jnp.float32)
-
-
-def forward_with_cache(cfg: ModelConfig, params, tokens_BT, cache: dict, start):
+def forward_with_cache(pieces, cfg, params, tokens_BT, cache: dict, start):
     """(logits (B, T, V) float32, cache) for tokens at positions start..start+T-1, given
     the cache of every earlier position."""
-    h_BTD = _embed(cfg, params, tokens_BT, start)
-    layer = _gpt2_layer if _is_gpt2(cfg) else _llama_layer
+    h_BTD = pieces.embed(cfg, params, tokens_BT, start)
 
     def step(h_BTD, layer_cache):
         p, k_BSKH, v_BSKH = layer_cache
-        h_BTD, k_BSKH, v_BSKH = layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
+        h_BTD, k_BSKH, v_BSKH = pieces.decode_layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
         return h_BTD, (k_BSKH, v_BSKH)
 
-    layers = (stacked_layers(cfg, params), cache["k"], cache["v"])
+    layers = (stacked_layers(pieces, cfg, params), cache["k"], cache["v"])
     h_BTD, (k, v) = jax.lax.scan(step, h_BTD, layers)
     cache = dict(k=constrain(k, CACHE_AXES), v=constrain(v, CACHE_AXES))
-    return _logits(cfg, params, h_BTD), cache
+    h_BTD = pieces.final_norm(cfg, params, h_BTD)
+    return pieces.lm_head(cfg, params)(h_BTD).astype(jnp.float32), cache
 
 
 def sample(logits_BV, rng, temperature, top_k):
@@ -183,9 +80,10 @@ def sample(logits_BV, rng, temperature, top_k):
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "with_logits"))
+@functools.partial(jax.jit, static_argnames=("pieces", "cfg", "steps", "with_logits"))
 def generate_tokens(
-    cfg: ModelConfig,
+    pieces,
+    cfg,
     params,
     prompt_BT,
     rng,
@@ -197,13 +95,13 @@ def generate_tokens(
     """The prompt followed by `steps` generated tokens, (B, T + steps); `with_logits` also
     the logits each token was drawn from, (B, steps, V) float32."""
     b, t = prompt_BT.shape
-    cache = init_cache(cfg, b, t + steps)
-    logits, cache = forward_with_cache(cfg, params, prompt_BT, cache, 0)
+    cache = init_cache(pieces, cfg, b, t + steps)
+    logits, cache = forward_with_cache(pieces, cfg, params, prompt_BT, cache, 0)
     first = sample(logits[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
 
     def step(carry, i):
         token_B, cache = carry
-        logits, cache = forward_with_cache(cfg, params, token_B[:, None], cache, t + i)
+        logits, cache = forward_with_cache(pieces, cfg, params, token_B[:, None], cache, t + i)
         nxt = sample(logits[:, -1], jax.random.fold_in(rng, i + 1), temperature, top_k)
         return (nxt, cache), (token_B, logits[:, -1] if with_logits else None)
 
@@ -228,10 +126,10 @@ def generate(
     training layout, jitted under its sharding rules. Returns (B, T + steps) tokens, and
     with `with_logits` the (B, steps, V) logits each new token was drawn from."""
     model = exp.config.model
-    if model.family not in FAMILIES:
+    if model.family not in DECODERS:
         raise ConfigError(
             f"generate: config.model.family={model.family!r}; generation covers the decoders "
-            f"{', '.join(FAMILIES)} (llama: Llama, Mixtral)"
+            f"{', '.join(DECODERS)} (llama: Llama, Mixtral)"
         )
     if steps < 1 or temperature < 0 or top_k < 0 or top_k > exp.model_config.vocab_size:
         raise ConfigError(
@@ -247,10 +145,11 @@ def generate(
             f"vocabulary 0..{vocab - 1} (config.model.vocab_size={vocab})"
         )
     length = prompt_BT.shape[1] + steps
-    if model.family == "gpt2" and length > model.max_positions:
+    positions = getattr(exp.model_config, "max_positions", None)  # A learned table's rows.
+    if positions is not None and length > positions:
         raise ConfigError(
             f"generate: {prompt_BT.shape[1]} prompt tokens + {steps} steps = {length} positions, "
-            f"more than GPT-2's position table, config.model.max_positions={model.max_positions}"
+            f"more than the position table, config.model.max_positions={positions}"
             "; shorten the prompt or generate fewer steps"
         )
     # The sequence is never split here: one new token a step.
@@ -263,7 +162,15 @@ def generate(
     rng, temperature, top_k = jax.random.key(seed), np.float32(temperature), np.int32(top_k)
     with sharding.use_rules(exp.mesh, rules):  # constrain() lays out what it traces so.
         out = generate_tokens(
-            exp.model_config, params, prompt_BT, rng, temperature, top_k, steps, with_logits
+            family_of(model).pieces,
+            exp.model_config,
+            params,
+            prompt_BT,
+            rng,
+            temperature,
+            top_k,
+            steps,
+            with_logits,
         )
     return jax.tree.map(np.asarray, jax.device_get(out))
 

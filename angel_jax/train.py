@@ -25,17 +25,7 @@ from angel_jax import kernels, sharding
 from angel_jax.config import ConfigError, objective, validate
 from angel_jax.data.objectives import row_width
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
-from angel_jax.models import example_inputs, make_model
-from angel_jax.models.classic import ClassicConfig
-from angel_jax.models.llama import (
-    Llama,
-    LlamaConfig,
-    decoder_layer,
-    embed_tokens,
-    final_norm,
-    lm_head_kernel,
-    lm_head_logits,
-)
+from angel_jax.models import family_of
 from angel_jax.monitor import Stopped, StopRequest, skip_if_anomalous
 from angel_jax.offload.planner import HOST, SSD, Plan, check_compiled, make_plan
 from angel_jax.offload.ssd import SSDTier
@@ -74,7 +64,7 @@ class Experiment:
     config: ml_collections.ConfigDict
     mesh: Mesh
     rules: sharding.Rules
-    model_config: LlamaConfig | ClassicConfig  # By config.model.family.
+    model_config: Any  # The family's (angel_jax/family.py), from config.model.
     model: nn.Module
     optimizer: Optimizer
     state_sharding: TrainState  # Of NamedShardings.
@@ -105,7 +95,7 @@ class Experiment:
 
     def _init_params(self, rng):
         tokens = jnp.zeros((1, self.config.train.seq_len), jnp.int32)
-        inputs = example_inputs(self.config.model.family, tokens)
+        inputs = family_of(self.config.model).example_inputs(tokens)
         params = nn.meta.unbox(self.model.init(rng, *inputs)["params"])
         if self.pipeline:
             params["layers"] = jax.tree.map(self.pipeline.layout.to_stages, params["layers"])
@@ -180,8 +170,7 @@ class Experiment:
             h_BTD, moe = self.model.apply(
                 {"params": params}, inputs_BT, hidden=True, mutable="intermediates"
             )
-            head_DV = lm_head_kernel(self.model_config, params)
-            lm_head = functools.partial(lm_head_logits, self.model_config, head_DV=head_DV)
+            lm_head = family_of(self.config.model).pieces.lm_head(self.model_config, params)
             loss, metrics = chunked_cross_entropy(h_BTD, lm_head, targets_BT, z_loss, chunks)
             return self._with_router_losses(loss, metrics, moe)
         logits, moe = self.model.apply({"params": params}, inputs_BT, mutable="intermediates")
@@ -237,16 +226,16 @@ class Experiment:
         m = self.config.pipeline.microbatches
         micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
         cfg, z_loss = self.model_config, self.config.train.z_loss
+        pieces = family_of(self.config.model).pieces
 
         def head_loss(shared, h_BTD, targets_BT):
-            h_BTD = final_norm(cfg, shared, h_BTD)
-            head_DV = lm_head_kernel(cfg, shared)
-            logits = lm_head_logits(cfg, h_BTD, head_DV).astype(jnp.float32)
+            h_BTD = pieces.final_norm(cfg, shared, h_BTD)
+            logits = pieces.lm_head(cfg, shared)(h_BTD).astype(jnp.float32)
             logits = sharding.constrain(logits, ("batch", "length", "vocab"))
             return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
 
         fns = StageFunctions(
-            functools.partial(embed_tokens, cfg), functools.partial(decoder_layer, cfg), head_loss
+            functools.partial(pieces.embed, cfg), functools.partial(pieces.layer, cfg), head_loss
         )
         shared = {name: p for name, p in params.items() if name != "layers"}
         metrics, layer_grads, shared_grads = pipeline_grads(
@@ -496,16 +485,17 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         apply_checkpoint_architecture(config)
         validate(config)
     rules = sharding.axis_rules(config, mesh)
-    model_config, model = make_model(config.model, jax.default_backend())
-    if config.model.family == "llama":
-        model_config = dataclasses.replace(
-            model_config,
-            fp8_matmul=config.fp8.matmul,
-            # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
-            fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
-            fp8_lm_head=config.fp8.lm_head,
-        )
-        model = Llama(model_config)
+    family = family_of(config.model)
+    model_config = family.make_config(config.model, jax.default_backend())
+    fp8 = dict(
+        fp8_matmul=config.fp8.matmul,
+        # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
+        fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
+        fp8_lm_head=config.fp8.lm_head,
+    )
+    if any(fp8.values()):  # validate: only families with FP8 projections get here.
+        model_config = dataclasses.replace(model_config, **fp8)
+    model = family.module(model_config)
     optimizer = make_optimizer(config.train)
     pipeline = None
     if mesh.shape["pipeline"] > 1:
@@ -513,7 +503,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
         model_config = dataclasses.replace(model_config, remat=pipeline.remat)
 
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
-    inputs = example_inputs(config.model.family, tokens)
+    inputs = family.example_inputs(tokens)
     boxed = jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"]
     logical = sharding.logical_axes(boxed)
     abstract_params = nn.meta.unbox(boxed)
@@ -553,7 +543,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     compute_sharding = abstract_compute = ssd = update = None
     if plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)
-        model = Llama(model_config)
+        model = family.module(model_config)
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
         # Streamed layers' compute copy lives in host memory.

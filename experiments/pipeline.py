@@ -83,7 +83,7 @@ def predictions(results: list[dict]) -> None:
     every pipeline run (after every child has finished: this imports JAX)."""
     sys.path.insert(0, str(ROOT))
     from angel_jax.config import load_config
-    from angel_jax.models.llama import LlamaConfig
+    from angel_jax.models import make_model
     from angel_jax.parallel.stage_plan import make_pipeline_plan
 
     shape = dict(data=1, pipeline=2, expert=1, context=1, sequence=1, tensor=1)
@@ -91,7 +91,7 @@ def predictions(results: list[dict]) -> None:
         if "--config.mesh.pipeline=2" not in r["overrides"]:
             continue
         config = load_config(CONFIG, r["overrides"])
-        plan = make_pipeline_plan(config, LlamaConfig.from_config(config.model, "gpu"), shape)
+        plan = make_pipeline_plan(config, make_model(config.model, "gpu")[0], shape)
         r.update(
             layers_per_chunk=list(plan.layout.layers_per_chunk),
             predicted_step_flops=plan.step_flops(),

@@ -23,7 +23,7 @@ from angel_jax.data.objectives import (
 )
 from angel_jax.losses import objective_loss
 from angel_jax.mesh import make_mesh
-from angel_jax.models import example_inputs, make_model
+from angel_jax.models import FAMILIES, make_model
 from angel_jax.train import build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -127,7 +127,7 @@ def test_packed_documents_equal_documents_alone(family):
     model = tiny_model(family)
     tokens, segments = packed_row()
 
-    params = random_params(model, *example_inputs(family, tokens))
+    params = random_params(model, *FAMILIES[family].example_inputs(tokens))
 
     @jax.jit  # One program for all four runs: compiling once is faster than running eagerly.
     def run(params, tokens, segments):
@@ -316,7 +316,7 @@ def test_configs_validate_and_have_the_published_sizes(name, millions):
     model = make_model(config.model, "cpu")[1]
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     shapes = jax.eval_shape(
-        model.init, jax.random.key(0), *example_inputs(config.model.family, tokens)
+        model.init, jax.random.key(0), *FAMILIES[config.model.family].example_inputs(tokens)
     )
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     assert round(count / 1e6, 1) == millions

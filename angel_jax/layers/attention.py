@@ -170,3 +170,31 @@ class Attention(nn.Module):
         )
         out = linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), name="out")
         return out(o_BTNH)
+
+
+def cached_attention(p, x_BTD, k_BSKH, v_BSKH, start, num_heads: int, dtype, rope=None, bias=False):
+    """Causal attention of the T new tokens (positions start..start+T-1) over a KV cache of
+    the full length, after writing their keys and values into it: generation's form of
+    `Attention` (its params `p`), in `dtype`. `rope`: (theta, RopeScaling) to rotate queries
+    and keys, or None (positions already in the states). Returns (out, k cache, v cache)."""
+    n, (k, h) = num_heads, k_BSKH.shape[2:]
+    project = lambda features, axes, name, x: Linear(features, axes, dtype, use_bias=bias).apply(
+        {"params": p[name]}, x
+    )
+    positions = start + jnp.arange(x_BTD.shape[1])
+    rotate = (lambda x: x) if rope is None else (lambda x: apply_rope(x, positions, *rope))
+    q_BTNH = rotate(project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD))
+    new_k = rotate(project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD))
+    new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
+    k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
+    v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
+    b, t = x_BTD.shape[:2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
+    scores = jnp.where(visible_TS, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    o_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH).reshape(b, t, n, h)
+    out = project((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), "out", o_BTNH)
+    return out, k_BSKH, v_BSKH

@@ -1,26 +1,23 @@
-"""The model families, chosen in one place by config.model.family."""
+"""The model families, chosen in one place by config.model.family (angel_jax/family.py: what
+each gives the rest of the house)."""
 
 import ml_collections
 
-from angel_jax.models.bert import Bert
-from angel_jax.models.classic import ClassicConfig
-from angel_jax.models.gpt2 import GPT2
-from angel_jax.models.llama import Llama, LlamaConfig
-from angel_jax.models.t5 import T5
+from angel_jax.family import Family
+from angel_jax.models import bert, gpt2, llama, t5
 
-CLASSIC = {"gpt2": GPT2, "bert": Bert, "t5": T5}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (llama.FAMILY, gpt2.FAMILY, bert.FAMILY, t5.FAMILY)
+}
+
+
+def family_of(model: ml_collections.ConfigDict) -> Family:
+    """config.model's family (validated: a known one)."""
+    return FAMILIES[model.family]
 
 
 def make_model(model: ml_collections.ConfigDict, backend: str):
-    """(model config, Flax module) for config.model (validated: a known family)."""
-    if model.family == "llama":
-        cfg = LlamaConfig.from_config(model, backend)
-        return cfg, Llama(cfg)
-    cfg = ClassicConfig.from_config(model, backend)
-    return cfg, CLASSIC[model.family](cfg)
-
-
-def example_inputs(family: str, tokens_BT):
-    """The positional inputs `init` needs: the tokens, and for T5 decoder inputs too (param
-    shapes do not depend on their lengths)."""
-    return (tokens_BT, tokens_BT) if family == "t5" else (tokens_BT,)
+    """(model config, Flax module) for config.model."""
+    family = family_of(model)
+    cfg = family.make_config(model, backend)
+    return cfg, family.module(cfg)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from angel_jax.family import Family
 from angel_jax.layers import Attention, Embed, Linear
 from angel_jax.layers.mlp import ACTIVATIONS, DenseMLP
 from angel_jax.layers.norm import LayerNorm
@@ -82,3 +83,6 @@ class Bert(nn.Module):
         )
         logits = embed.attend(x) + bias.astype(dtype)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+FAMILY = Family("bert", ClassicConfig.from_config, Bert)

@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from angel_jax.family import Family, Pieces
 from angel_jax.layers import Attention, Embed
+from angel_jax.layers.attention import cached_attention
 from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.norm import LayerNorm
 from angel_jax.layers.position import segment_mask, segment_positions
@@ -68,3 +70,57 @@ class GPT2(nn.Module):
         h_BTD = LayerNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
         h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
         return constrain(embed.attend(h_BTD).astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+# Pieces (family.py) for generation: the same modules as `GPT2`, applied to its params.
+
+
+def embed_tokens(cfg: ClassicConfig, params, tokens_BT, start=0):
+    """The tokens' embeddings plus the learned positions start..start+T-1 (generate checks
+    they exist: a slice past the table's end would be clamped, not refused)."""
+    dtype = as_dtype(cfg)
+    h_BTD = Embed(cfg.vocab_size, cfg.d_model, dtype).apply({"params": params["embed"]}, tokens_BT)
+    table = params["pos_embed"].astype(h_BTD.dtype)
+    h_BTD = h_BTD + jax.lax.dynamic_slice_in_dim(table, start, tokens_BT.shape[1])
+    return constrain(h_BTD, RESIDUAL)
+
+
+def final_norm(cfg: ClassicConfig, params, h_BTD):
+    norm = LayerNorm(cfg.norm_eps, as_dtype(cfg))
+    return constrain(
+        norm.apply({"params": params["final_norm"]}, h_BTD), ("batch", "length", "embed")
+    )
+
+
+def lm_head(cfg: ClassicConfig, params):
+    """GPT-2's head is its embedding table, whatever config.model.tie_embeddings says."""
+    embed = Embed(cfg.vocab_size, cfg.d_model, as_dtype(cfg))
+    return lambda h_BTD: embed.apply({"params": params["embed"]}, h_BTD, method="attend")
+
+
+def decode_layer(cfg: ClassicConfig, p, h_BTD, k_BSKH, v_BSKH, start):
+    """One `GPT2Block` over new tokens at positions start.., with its KV cache."""
+    dtype = as_dtype(cfg)
+    norm = lambda name, x: LayerNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
+    x = norm("attn_norm", h_BTD)
+    attn, k_BSKH, v_BSKH = cached_attention(
+        p["attn"], x, k_BSKH, v_BSKH, start, cfg.num_heads, dtype, bias=True
+    )
+    h_BTD = h_BTD + attn
+    mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype)
+    return h_BTD + mlp.apply({"params": p["mlp"]}, norm("mlp_norm", h_BTD)), k_BSKH, v_BSKH
+
+
+FAMILY = Family(
+    "gpt2",
+    ClassicConfig.from_config,
+    GPT2,
+    Pieces(
+        embed=embed_tokens,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        kv_heads=lambda cfg: cfg.num_heads,  # One per query head.
+        unrolled_name="layers_{}",
+        decode_layer=decode_layer,
+    ),
+)

@@ -9,8 +9,10 @@ from flax import linen as nn
 
 from angel_jax import fp8
 from angel_jax.config import ConfigError, head_dim
+from angel_jax.family import Family, Pieces
 from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
+from angel_jax.layers.attention import cached_attention
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.remat import REMATS
@@ -253,11 +255,18 @@ def lm_head_logits(cfg: LlamaConfig, h_BTD: jax.Array, head_DV: jax.Array) -> ja
     return jnp.einsum("...d,dv->...v", h_BTD, head_DV)
 
 
-# The model cut into pieces for a pipeline (parallel/pipeline.py): the same modules as `Llama`,
-# applied to its params' subtrees.
+def lm_head(cfg: LlamaConfig, params):
+    """h (..., D) -> logits (..., V) in the compute dtype, as `Llama` applies its head."""
+    head_DV = lm_head_kernel(cfg, params)
+    return lambda h_BTD: lm_head_logits(cfg, h_BTD, head_DV)
 
 
-def embed_tokens(cfg: LlamaConfig, params, tokens_BT: jax.Array) -> jax.Array:
+# The model cut into pieces (family.py) for the pipeline, the chunked LM head and
+# generation: the same modules as `Llama`, applied to its params' subtrees.
+
+
+def embed_tokens(cfg: LlamaConfig, params, tokens_BT: jax.Array, start=0) -> jax.Array:
+    del start  # Positions enter through RoPE, in attention.
     embed = Embed(cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.dtype))
     h_BTD = embed.apply({"params": params["embed"]}, tokens_BT)
     return constrain(h_BTD, ("batch", "norm_length", "embed"))
@@ -279,3 +288,47 @@ def final_norm(cfg: LlamaConfig, params, h_BTD: jax.Array) -> jax.Array:
     norm = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype))
     h_BTD = norm.apply({"params": params["final_norm"]}, h_BTD)
     return constrain(h_BTD, ("batch", "length", "embed"))
+
+
+def decode_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
+    """One `DecoderLayer` over new tokens at positions start.., with its KV cache."""
+    dtype = jnp.dtype(cfg.dtype)
+    norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
+    rope = (cfg.rope_theta, cfg.rope_scaling)
+    x = norm("attn_norm", h_BTD)
+    attn, k_BSKH, v_BSKH = cached_attention(
+        p["attn"], x, k_BSKH, v_BSKH, start, cfg.num_heads, dtype, rope
+    )
+    h_BTD = h_BTD + attn
+    x = norm("mlp_norm", h_BTD)
+    if not cfg.num_experts:
+        return h_BTD + SwiGLU(cfg.ffn_dim, dtype).apply({"params": p["mlp"]}, x), k_BSKH, v_BSKH
+    moe = MoE(
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.moe_ffn_dim,
+        cfg.router,
+        cfg.capacity_factor,
+        dtype,
+    )
+    y, _ = moe.apply({"params": p["moe"]}, x)
+    if cfg.shared_experts:
+        shared = SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype)
+        y = y + shared.apply({"params": p["shared"]}, x)
+    return h_BTD + y, k_BSKH, v_BSKH
+
+
+FAMILY = Family(
+    "llama",
+    LlamaConfig.from_config,
+    Llama,
+    Pieces(
+        embed=embed_tokens,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        kv_heads=lambda cfg: cfg.num_kv_heads,
+        unrolled_name="layer_{}",
+        layer=decoder_layer,
+        decode_layer=decode_layer,
+    ),
+)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from angel_jax.family import Family
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm
 from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.position import RelativePositionBias, segment_mask, segment_positions
@@ -132,3 +133,6 @@ class T5(nn.Module):
         else:
             logits = Linear((cfg.vocab_size,), ("embed", "vocab"), dtype, name="lm_head")(h_BSD)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+FAMILY = Family("t5", ClassicConfig.from_config, T5, decoder_inputs=True)

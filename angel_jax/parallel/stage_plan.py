@@ -31,9 +31,9 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError
+from angel_jax.family import DecoderShape
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
-from angel_jax.models.llama import LlamaConfig
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
 from angel_jax.remat import REMATS, STAGE_REMATS
 
@@ -92,7 +92,7 @@ class PipelinePlan:
         return "\n".join(line.rstrip() for line in lines)
 
 
-def layer_forward_flops(cfg: LlamaConfig, seq_len: int, remat: str) -> tuple[float, float]:
+def layer_forward_flops(cfg: DecoderShape, seq_len: int, remat: str) -> tuple[float, float]:
     """(forward FLOPs of one layer per token, what `remat` recomputes of it in a backward)."""
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     matmul = 2 * (attn + 3 * cfg.d_model * cfg.ffn_dim)
@@ -101,7 +101,7 @@ def layer_forward_flops(cfg: LlamaConfig, seq_len: int, remat: str) -> tuple[flo
     return matmul + attention, share_attention * attention + share_matmul * matmul
 
 
-def effective_remat(cfg: LlamaConfig, remat: str) -> str:
+def effective_remat(cfg: DecoderShape, remat: str) -> str:
     """dots_attention saves cuDNN's attention; on XLA's attention it is dots_no_batch."""
     return "dots_no_batch" if remat == "dots_attention" and cfg.attention != "cudnn" else remat
 
@@ -156,7 +156,7 @@ def given_layers(text: str, num_layers: int, chunks: int) -> tuple[int, ...]:
 
 
 def make_pipeline_plan(
-    config: ml_collections.ConfigDict, cfg: LlamaConfig, mesh_shape: dict[str, int]
+    config: ml_collections.ConfigDict, cfg: DecoderShape, mesh_shape: dict[str, int]
 ) -> PipelinePlan:
     """The plan for `config.pipeline` on a mesh of `mesh_shape`; checks the settings."""
     pc, t = config.pipeline, config.train
