@@ -9,6 +9,7 @@ directory. `restore_latest` goes back past checkpoints that cannot be read.
 import dataclasses
 import logging
 import pathlib
+import re
 import sys
 import warnings
 
@@ -158,7 +159,7 @@ class Checkpointer:
         self.manager.reload()
 
     def _unreadable(self, step: int, error: Exception) -> ConfigError:
-        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        reason = one_line_reason(error)
         # Reads still in flight fail later, each logged by asyncio as "Future exception was
         # never retrieved" when collected; the failure is reported once, here.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -172,6 +173,19 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def one_line_reason(error: Exception, limit: int = 200) -> str:
+    """What a library's error says, as one short line: its first line, without object reprs
+    (pybind11 bound methods, `<... at 0x...>`), cut at a word boundary."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text, object_repr = lines[0] if lines else "", r"\s*<[^<>]*(?:pybind11|bound method| at 0x)"
+    while re.search(object_repr + "[^<>]*>", text):  # Innermost first: reprs nest.
+        text = re.sub(object_repr + "[^<>]*>", "", text)
+    text = " ".join(text.split()) or type(error).__name__
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return text
 
 
 def _everywhere(ok: bool) -> bool:

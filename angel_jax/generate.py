@@ -2,7 +2,9 @@
 sampling with a KV cache.
 
     python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
-        --prompt-tokens 72,101,108,108,111 --steps 32 [--temperature 0.8 --top-k 40]
+        --prompt "The quick" --steps 32 [--temperature 0.8 --top-k 40]
+    python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
+        --prompt-tokens 72,101,108,108,111 --steps 32
     python -m angel_jax.generate --config configs/llama_finetune.py \\
         --config.init_from_hf=/path/to/hf_llama --prompt-tokens 1,450,4996 --steps 16
 
@@ -201,11 +203,31 @@ def load_params_for(exp, checkpoint: str | None):
     )
 
 
+def prompt_tokenizer(path: str | None, config):
+    """The tokenizer of --prompt: --tokenizer's tokenizer.json, else the Hugging Face
+    checkpoint's (config.init_from_hf), else the byte tokenizer (the default corpus's)."""
+    import pathlib
+
+    from angel_jax.data.tokens import load_tokenizer
+
+    if path is None and config.init_from_hf:
+        found = pathlib.Path(config.init_from_hf) / "tokenizer.json"
+        path = str(found) if found.is_file() else None
+    return load_tokenizer(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
     parser.add_argument("--checkpoint", help="a training run's workdir (its latest checkpoint)")
-    parser.add_argument("--prompt-tokens", required=True, help="token ids, e.g. 1,450,4996")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, encoded by --tokenizer; prints text")
+    prompt.add_argument("--prompt-tokens", help="token ids, e.g. 1,450,4996; prints ids")
+    parser.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer.json for --prompt (default: the init_from_hf "
+        "checkpoint's, else bytes)",
+    )
     parser.add_argument("--steps", type=int, default=32, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest")
@@ -218,19 +240,29 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, overrides)
-        try:
-            prompt = [[int(t) for t in args.prompt_tokens.split(",")]]
-        except ValueError:
-            raise ConfigError(
-                f"--prompt-tokens {args.prompt_tokens}: give comma-separated token ids"
-            ) from None
+        tokenizer = None
+        if args.prompt is not None:
+            tokenizer = prompt_tokenizer(args.tokenizer, config)
+            prompt = [tokenizer.encode(args.prompt)]
+            if not prompt[0]:
+                raise ConfigError("--prompt is empty: give some text to continue")
+        else:
+            try:
+                prompt = [[int(t) for t in args.prompt_tokens.split(",")]]
+            except ValueError:
+                raise ConfigError(
+                    f"--prompt-tokens {args.prompt_tokens}: give comma-separated token ids"
+                ) from None
         exp = build(config, make_mesh(config.mesh))
         params = load_params_for(exp, args.checkpoint)
         tokens = generate(exp, params, prompt, args.steps, args.temperature, args.top_k, args.seed)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(",".join(str(t) for t in tokens[0]))
+    if tokenizer is None:
+        print(",".join(str(t) for t in tokens[0]))
+    else:
+        print(tokenizer.decode(tokens[0]))
     return 0
 
 

@@ -52,7 +52,23 @@ def main(argv: list[str] | None = None) -> int:
         return monitor.EXIT_DIVERGED
     except monitor.Stopped as e:  # Saved and said so: nothing more to print.
         return e.exit_code
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"error: {out_of_memory(e)}", file=sys.stderr)
+        return monitor.EXIT_OUT_OF_MEMORY
     return 0
+
+
+def out_of_memory(e: BaseException) -> str:
+    """One line for an allocation that failed: XLA's first line, and what to change."""
+    first = (str(e).strip().splitlines() or ["MemoryError"])[0]
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return (
+        f"out of memory ({first}); use a smaller config.train.batch_size or more "
+        "config.train.microbatches, more remat (config.model.remat=full), "
+        "config.offload.policy=auto, or more devices"
+    )
 
 
 if __name__ == "__main__":

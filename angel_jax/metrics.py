@@ -1,6 +1,7 @@
 """Training metrics: throughput and MFU, written to metrics.jsonl, TensorBoard and the terminal."""
 
 import json
+import math
 import pathlib
 import sys
 
@@ -18,6 +19,22 @@ def peak_tflops(configured: float) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
 
 
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON: NaN and infinities (a diverging loss) as the
+    strings "nan", "inf" and "-inf", which every JSON parser reads, not as bare NaN."""
+
+    def safe(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: safe(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [safe(v) for v in value]
+        return value
+
+    return json.dumps(safe(record), allow_nan=False)
+
+
 class MetricsWriter:
     def __init__(self, workdir: str, tensorboard: bool = True):
         self.dir = pathlib.Path(workdir)
@@ -33,7 +50,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict) -> None:
         if not self.main:
             return
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.write(json_line({"step": step, **metrics}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for name, value in metrics.items():

@@ -22,7 +22,6 @@ tests (angel_jax/faults.py).
 import collections
 import dataclasses
 import faulthandler
-import json
 import math
 import os
 import pathlib
@@ -38,9 +37,11 @@ import ml_collections
 import numpy as np
 
 from angel_jax.faults import Faults
+from angel_jax.metrics import json_line
 
 EXIT_HANG = 3  # The watchdog found no step for hang_timeout_s: restart.
 EXIT_DIVERGED = 4  # Anomalies beyond the configured bounds: do not restart.
+EXIT_OUT_OF_MEMORY = 5  # XLA's RESOURCE_EXHAUSTED: the same settings would fail again.
 
 
 class Diverged(RuntimeError):
@@ -102,7 +103,7 @@ def skip_if_anomalous(step_fn):
     """`step_fn(state, batch) -> (state, metrics)` as `(state, batch, ceiling) -> (state,
     metrics)` that keeps the old params and optimizer state when the loss or the grad norm is
     not finite or the loss is above `ceiling`. The step count still advances (the batch is
-    used up). `metrics["skipped"]` is 1.0 for a dropped update, else 0.0.
+    used up). `metrics["skipped"]` is 1 for a dropped update, else 0.
 
     The choice is a `where` per element, fused into the update's own elementwise pass: no
     extra memory (the state is donated) and no host round trip.
@@ -117,7 +118,7 @@ def skip_if_anomalous(step_fn):
             params=jax.tree.map(keep, new.params, state.params),
             opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
         )
-        return new, {**metrics, "skipped": jnp.logical_not(ok).astype(jnp.float32)}
+        return new, {**metrics, "skipped": jnp.logical_not(ok).astype(jnp.int32)}
 
     return step
 
@@ -170,7 +171,7 @@ class EventLog:
         # One write of one line with O_APPEND: lines from several processes do not interleave.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.write(fd, (json_line(record) + "\n").encode())
         finally:
             os.close(fd)
 

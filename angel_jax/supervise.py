@@ -8,8 +8,9 @@ resumes from the newest readable checkpoint by itself, so a restart is just a ne
 ends the child decides what happens next:
 
 - exit 0: training finished; the supervisor exits 0.
-- exit 2 (bad config or input) or 4 (diverged: anomalies beyond config.monitor's bounds): a
-  restart would fail the same way; the supervisor exits with that status.
+- exit 2 (bad config or input), 4 (diverged: anomalies beyond config.monitor's bounds) or 5
+  (out of device or host memory): a restart would fail the same way; the supervisor exits with
+  that status.
 - anything else (a signal such as SIGKILL or SIGSEGV, an exception, exit 3 from the hang
   watchdog): an incident. It is appended to `WORKDIR/incidents.jsonl` (time, attempt, how the
   child ended, its last stderr lines, the checkpoint before and after) and the child is
@@ -33,11 +34,13 @@ import sys
 import threading
 import time
 
-EXIT_CONFIG, EXIT_HANG, EXIT_DIVERGED = 2, 3, 4  # As angel_jax.launch and angel_jax.monitor.
+# As angel_jax.launch and angel_jax.monitor.
+EXIT_CONFIG, EXIT_HANG, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY = 2, 3, 4, 5
 FINAL = {
     0: "finished",
     EXIT_CONFIG: "bad config or input",
     EXIT_DIVERGED: "diverged",
+    EXIT_OUT_OF_MEMORY: "out of memory",
     130: "stopped by SIGINT, its step saved",  # 128 + signal: angel_jax.monitor.Stopped.
     143: "stopped by SIGTERM, its step saved",
 }
@@ -165,7 +168,9 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, add_help=True)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--max-restarts", type=int, default=10, help="restarts before giving up")
     parser.add_argument(
         "--restart-delay-s", type=float, default=10.0, help="pause before each restart"

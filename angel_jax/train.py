@@ -370,12 +370,11 @@ class Experiment:
         """Compiles ahead of time, from shapes alone: `train_step` is built before the state
         is allocated, so XLA's GPU autotuner has the device's memory to try kernels in (a
         state filled to the planner's budget leaves it too little: the H200 capacity runs
-        failed to compile so). On a GPU, the compiled program's memory is checked against the
-        plan (XLA:CPU widens bf16 work to f32, so its sizes would mislead)."""
+        failed to compile so). The compiled program's memory is checked against the plan,
+        on a CPU too (where XLA:CPU's f32 widening of bf16 work is what it will allocate)."""
         with sharding.use_rules(self.mesh, self.rules):
             compiled = jitted.lower(*abstract_args).compile()
-        if jax.default_backend() != "cpu":
-            check_compiled(self.plan, compiled.memory_analysis())
+        check_compiled(self.plan, compiled.memory_analysis())
         return compiled
 
     def apply_streamed_update(self, state: TrainState, step, grads, scale) -> TrainState:
@@ -464,7 +463,7 @@ class Experiment:
                     float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
                 )
                 ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
-                metrics["skipped"] = np.float32(not ok)
+                metrics["skipped"] = np.int32(not ok)
                 if not ok:
                     return state.replace(step=step), metrics
                 return self.apply_streamed_update(state, step, grads, scale), metrics
@@ -726,7 +725,8 @@ def _train_loop(
 
     def log(step, device_metrics):
         nonlocal last, t_last, step_last
-        metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+        # .item(): Python ints stay ints (`skipped`), floats floats.
+        metrics = {k: np.asarray(v).item() for k, v in jax.device_get(device_metrics).items()}
         now = time.perf_counter()
         step_time = (now - t_last) / (step - step_last)
         metrics.update(

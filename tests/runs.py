@@ -1,7 +1,6 @@
 """Helpers for tests that run the launcher (or the supervisor) in subprocesses."""
 
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -57,11 +56,11 @@ def run(module: str, workdir, args, environ, timeout=300) -> subprocess.Complete
 
 def losses(workdir) -> dict[int, float]:
     """Loss per step; a step logged again (after a restart or a rollback) keeps its last line.
-    NaN becomes the string 'nan', so that equal runs compare equal."""
+    A NaN loss is logged as the string "nan" (strict JSON), so equal runs compare equal."""
     out = {}
     for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        out[record["step"]] = "nan" if math.isnan(record["loss"]) else record["loss"]
+        out[record["step"]] = record["loss"]
     return out
 
 

@@ -14,6 +14,7 @@ from angel_jax.data import ByteTokenizer, TokenFile, default_corpus, make_batche
 from angel_jax.data.prepare import main as prepare_main
 from angel_jax.data.prepare import prepare
 from angel_jax.data.tokens import save_token_file
+from tests.conftest import hf_reference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLI_ENV = {
@@ -168,6 +169,7 @@ def test_missing_token_file_names_the_setting_and_the_fix():
     assert "python -m angel_jax.data.prepare" in str(e.value)
 
 
+@hf_reference  # `tokenizers` comes with transformers (the Python 3.11 environment).
 def test_hf_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}

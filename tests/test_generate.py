@@ -180,3 +180,36 @@ def test_greedy_generation_of_imported_gpt2_matches_transformers(tmp_path):
             pad_token_id=0,
         ).numpy()
     np.testing.assert_array_equal(ours, ref)
+
+
+def _generate_cli(monkeypatch, capsys, *args: str) -> str:
+    """generate's command line on configs/tiny.py (1 layer) with random params."""
+    monkeypatch.setattr(generate, "load_params_for", lambda exp, checkpoint: random_params(exp))
+    argv = ["--config", "configs/tiny.py", "--steps", "4", "--config.model.num_layers=1", *args]
+    assert generate.main(argv) == 0
+    return capsys.readouterr().out.strip()
+
+
+def test_text_prompt_gives_text_the_same_as_token_ids(monkeypatch, capsys):
+    from angel_jax.data import ByteTokenizer
+
+    text = _generate_cli(monkeypatch, capsys, "--prompt", "Hi")
+    ids = [
+        int(t) for t in _generate_cli(monkeypatch, capsys, "--prompt-tokens", "72,105").split(",")
+    ]
+    assert ids[:2] == [72, 105] and len(ids) == 6
+    assert text == ByteTokenizer().decode(ids) and text.startswith("Hi")
+
+
+@hf_reference  # `tokenizers` comes with transformers (the Python 3.11 environment).
+def test_text_prompt_through_a_hugging_face_tokenizer(monkeypatch, capsys, tmp_path):
+    import tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = ("--tokenizer", str(tmp_path / "tokenizer.json"))
+    text = _generate_cli(monkeypatch, capsys, "--prompt", "hello world", *tokenizer)
+    ids = _generate_cli(monkeypatch, capsys, "--prompt-tokens", "1,2").split(",")
+    assert text == tok.decode([int(i) for i in ids]) and text.startswith("hello world")

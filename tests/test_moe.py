@@ -1,5 +1,6 @@
 """Mixture of experts: routers' bookkeeping, and expert parallel equal to one device."""
 
+import collections
 import functools
 import math
 import re
@@ -162,13 +163,7 @@ def all_to_all_sizes(chunks):
     grad = jax.grad(lambda params, x: jnp.sum(jnp.sin(moe.apply(params, x)[0])))
     with sharding.use_rules(mesh, RULES):
         hlo = jax.jit(grad).lower(placed, x_placed).compile().as_text()
-    moved = []
-    for line in hlo.splitlines():
-        if " all-to-all(" in line:
-            result = line.split(" = ", 1)[1].split(" all-to-all(")[0]
-            shapes = re.findall(r"\[([\d,]+)\]", result)
-            moved.append(sum(math.prod(int(n) for n in dims.split(",")) for dims in shapes))
-    return moved
+    return collective_sizes(hlo)["all-to-all"]
 
 
 def test_expert_sequence_parallel_and_chunks_split_the_all_to_alls():
@@ -235,3 +230,42 @@ def test_expert_axis_errors_name_the_settings():
         build(config, make_mesh(config.mesh))
     with pytest.raises(ConfigError, match="moe_dispatch_chunks=0: use 1 or more"):
         validate(small_config(model__num_experts=8, model__moe_dispatch_chunks=0))
+
+
+def collective_sizes(hlo: str) -> dict[str, list[int]]:
+    """Elements of each collective's result in a compiled program, by kind."""
+    found = collections.defaultdict(list)
+    for line in hlo.splitlines():
+        m = re.search(r" = (.*?) (all-to-all|all-gather|reduce-scatter)\(", line)
+        if m:
+            shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
+            sizes = (math.prod(int(n) for n in dims.split(",") if n) for dims in shapes)
+            found[m.group(2)].append(sum(sizes))
+    return found
+
+
+@pytest.mark.parametrize("router", ["topk", "expert_choice", "dropless"])
+def test_expert_parallel_moves_tokens_by_the_router_s_collectives(router):
+    """expert=8, one row per rank. Capacity routers send each expert its slots through
+    all-to-alls (dispatch and combine, forward and backward: rows x experts x slots x d each)
+    and gather nothing; dropless gathers the group's tokens (all B x T x D), applies its own
+    experts and reduce-scatters the outputs back (T x D per rank), with no all-to-all."""
+    mesh = mesh_of(expert=8)
+    x = inputs()  # (8, 16, 16)
+    moe = layer(router, k=2, factor=2.0)
+    params = moe.init(jax.random.key(0), x)
+    placed = jax.device_put(
+        params, jax.tree.map(lambda s: NamedSharding(mesh, s), nn_specs(params, RULES))
+    )
+    x_placed = jax.device_put(x, NamedSharding(mesh, P(RULES["batch"])))
+    grad = jax.grad(lambda p, x: jnp.sum(jnp.sin(moe.apply(p, x)[0])), argnums=(0, 1))
+    with sharding.use_rules(mesh, RULES):
+        sizes = collective_sizes(jax.jit(grad).lower(placed, x_placed).compile().as_text())
+    b, t, d = x.shape
+    if router == "dropless":
+        assert "all-to-all" not in sizes, sizes
+        assert b * t * d in sizes["all-gather"] and t * d in sizes["reduce-scatter"], sizes
+    else:
+        slots = capacity(t, 8, 2, 2.0)
+        assert len(sizes["all-to-all"]) == 4 and set(sizes["all-to-all"]) == {8 * slots * d}
+        assert "all-gather" not in sizes, sizes

@@ -234,3 +234,13 @@ def test_monitor_settings_are_checked(overrides, message):
     config = load_config(os.path.join(ROOT, "configs", "tiny.py"), overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(config)
+
+
+def test_metric_and_event_lines_are_strict_json_even_when_the_loss_is_nan():
+    import math
+
+    from angel_jax.metrics import json_line
+
+    line = json_line({"step": 3, "loss": math.nan, "grad_norm": math.inf, "skipped": 1})
+    record = json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in {line}"))
+    assert record == {"step": 3, "loss": "nan", "grad_norm": "inf", "skipped": 1}

@@ -90,9 +90,14 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path, expected, kill_after
     proc.wait()
     killed_at = max(losses(run))
     assert killed_at < STEPS, "killed too late to test resuming"
+    saved = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    logged_before = len(metric_steps(run))
 
     log = finish(launch(run))
     assert "resumed from" in log
+    # The restart ran the steps after the checkpoint only: a restart from scratch would
+    # give the same losses, but not these steps.
+    assert metric_steps(run)[logged_before:] == list(range(saved + 1, STEPS + 1))
     assert losses(run) == expected  # Bitwise: the same floats at every step.
 
 

@@ -189,3 +189,22 @@ def test_chunked_logits_give_the_same_loss_and_grads(mesh, tie):
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
     jax.tree.map(close, grads, ref_grads)
     jax.tree.map(close, params, ref_params)
+
+
+@pytest.mark.parametrize(
+    "axis, collective", [("context", "collective-permute"), ("sequence", "all-to-all")]
+)
+def test_split_attention_moves_keys_and_values_by_its_collective_not_a_gather(axis, collective):
+    """Ring attention passes K/V blocks around the ring, Ulysses exchanges heads for sequence:
+    the compiled program holds that collective and no all-gather of the whole sequence."""
+    mesh = mesh_of(data=2, **{axis: 4})
+    spec = P("data", axis, None, None)
+    place = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+    q, k, v, _ = (place(x) for x in inputs(kv_heads=4))
+
+    def attention(q, k, v):
+        return sequence_parallel_attention(q, k, v, mesh, spec, causal=True, ring_blocks="xla")
+
+    hlo = jax.jit(attention).lower(q, k, v).compile().as_text()
+    assert f" {collective}(" in hlo or f" {collective}-start(" in hlo, collective
+    assert " all-gather(" not in hlo and " all-gather-start(" not in hlo

@@ -1,6 +1,7 @@
 """ZeRO-Cache's SSD tier: exact round trips, bfloat16 compression, per-key ordering, errors."""
 
 import os
+import pathlib
 import threading
 
 import jax
@@ -116,12 +117,19 @@ def test_unwritable_directory_is_a_config_error(tmp_path):
         SSDStore(tmp_path / "file")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
 def test_read_only_directory_is_a_config_error(tmp_path):
-    tmp_path.chmod(0o555)
+    """An existing directory that refuses new files. Root writes through permission bits, so
+    as root (CI runs so) sysfs stands in: root cannot create files there either."""
+    target = tmp_path
+    if os.geteuid() == 0:
+        target = pathlib.Path("/sys/kernel")
+        if not target.is_dir():
+            pytest.skip("running as root without sysfs: no directory refuses root's writes")
+    else:
+        tmp_path.chmod(0o555)
     try:
-        with pytest.raises(ConfigError, match=r"config\.offload\.ssd_dir"):
-            SSDStore(tmp_path)
+        with pytest.raises(ConfigError, match=r"config\.offload\.ssd_dir=.*cannot write there"):
+            SSDStore(target)
     finally:
         tmp_path.chmod(0o755)
 

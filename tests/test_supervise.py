@@ -113,6 +113,7 @@ def test_crash_then_success(tmp_path, monkeypatch):
     [
         (2, "bad config or input"),
         (4, "diverged"),
+        (5, "out of memory"),
         (130, "stopped by SIGINT, its step saved"),
         (143, "stopped by SIGTERM, its step saved"),
     ],
@@ -124,7 +125,12 @@ def test_no_restart_when_a_restart_cannot_help(tmp_path, capsys, code, what):
 
 
 def test_exit_codes_agree_with_the_launcher():
-    assert (supervise_lib.EXIT_HANG, supervise_lib.EXIT_DIVERGED) == (
-        monitor.EXIT_HANG,
-        monitor.EXIT_DIVERGED,
-    )
+    ours = (supervise_lib.EXIT_HANG, supervise_lib.EXIT_DIVERGED, supervise_lib.EXIT_OUT_OF_MEMORY)
+    assert ours == (monitor.EXIT_HANG, monitor.EXIT_DIVERGED, monitor.EXIT_OUT_OF_MEMORY)
+
+
+def test_help_keeps_the_list_of_exit_statuses(capsys):
+    with pytest.raises(SystemExit):
+        supervise_lib.main(["--help"])
+    out = capsys.readouterr().out
+    assert "\n- exit 0: training finished" in out and "\n- anything else" in out

@@ -125,3 +125,8 @@ def test_zero_stage_layouts(stage):
         assert any("while/body" in line for line in gathers)
     if jax.default_backend() == "gpu":  # XLA:CPU has no reduce-scatter rewrite.
         assert ("reduce-scatter" in hlo) == (stage >= 2)
+    # The grads as the step makes them: each device holds 1/8 of them from stage 2 on.
+    with sharding.use_rules(exp.mesh, exp.rules):
+        _, grads = jax.jit(exp.loss_and_grads)(state.params, batch)
+    local = sum(x.addressable_shards[0].data.size for x in big(grads))
+    assert local * (8 if stage >= 2 else 1) == sum(x.size for x in big(grads))

@@ -361,6 +361,8 @@ def check_compiled(plan: Plan, memory) -> None:
     device: the plan's device-resident states plus what XLA allocates beyond the program's
     arguments and outputs (`memory`: a `Compiled.memory_analysis()`), which replaces the
     planner's activation estimate."""
+    if memory is None:  # A backend without the analysis: the planner's estimate stands.
+        return
     estimate = (
         plan.state_bytes.get("activations", 0) if plan.placement.get("activations") == DEVICE else 0
     )

@@ -1,0 +1,138 @@
+"""Deliberate breaks: each switches one mechanism off in a copy of the repository and runs the
+tests aimed at it, which must then fail. A test that still passes with its mechanism gone does
+not test the mechanism.
+
+    python -m tests.breaks [--list] [NAME ...]
+
+Each break is (name, file, text, replacement, tests); the text must occur once in the file.
+The working tree is never touched. Exit status 1 when some break's tests passed.
+"""
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+BREAKS = [
+    (
+        "fp8 formats are 16-bit",
+        "angel_jax/fp8.py",
+        "E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2",
+        "E4M3, E5M2 = jnp.float16, jnp.float16",
+        ["tests/test_fp8.py"],
+    ),
+    (
+        "ZeRO-2 grads not constrained",
+        "angel_jax/train.py",
+        "        # The shardings' tree is a prefix of `grads`",
+        "        return grads\n        # The shardings' tree is a prefix of `grads`",
+        ["tests/test_train_parity.py::test_zero_stage_layouts"],
+    ),
+    (
+        "compiled memory not checked on a CPU",
+        "angel_jax/train.py",
+        "        check_compiled(self.plan, compiled.memory_analysis())",
+        '        if jax.default_backend() != "cpu":\n'
+        "            check_compiled(self.plan, compiled.memory_analysis())",
+        [
+            "tests/test_errors.py::test_cpu_plan_is_checked_against_the_compiled_step_before_allocating"
+        ],
+    ),
+    (
+        "out of memory exits 1",
+        "angel_jax/launch.py",
+        "        return monitor.EXIT_OUT_OF_MEMORY",
+        "        return 1",
+        ["tests/test_errors.py::test_out_of_memory_is_one_line_and_its_own_exit_status"],
+    ),
+    (
+        "a stop signal does not save",
+        "angel_jax/train.py",
+        "saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))",
+        "saving = ckpt is not None and ckpt.should_save(step, t.steps)",
+        ["tests/test_resume.py::test_a_stop_signal_saves_the_step_and_resume_recomputes_nothing"],
+    ),
+    (
+        "the trainer imports Llama",
+        "angel_jax/train.py",
+        "from angel_jax.models import family_of\n",
+        "from angel_jax.models import family_of\nfrom angel_jax.models import llama  # noqa\n",
+        ["tests/test_architecture.py"],
+    ),
+    (
+        "the SSD tier does not probe for writes",
+        "angel_jax/offload/ssd.py",
+        "            tempfile.TemporaryFile(dir=self.directory).close()",
+        "            pass",
+        ["tests/test_ssd.py::test_read_only_directory_is_a_config_error"],
+    ),
+    (
+        "checkpoint reasons keep object reprs",
+        "angel_jax/checkpoint.py",
+        '    while re.search(object_repr + "[^<>]*>", text):',
+        "    while False:",
+        ["tests/test_errors.py::test_checkpoint_reasons_are_short_whole_lines"],
+    ),
+]
+
+
+def copy_repo(target: pathlib.Path) -> None:
+    """The tracked and untracked-but-not-ignored files, as git sees the working tree."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in files:
+        source = REPO / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def run_break(name, path, text, replacement, tests) -> tuple[bool, float, str]:
+    """(the tests failed, seconds, last output line) with the break applied in a copy."""
+    with tempfile.TemporaryDirectory(prefix="angel-break-") as tmp:
+        copy = pathlib.Path(tmp)
+        copy_repo(copy)
+        source = (copy / path).read_text()
+        if source.count(text) != 1:
+            return False, 0.0, f"the text to break occurs {source.count(text)} times in {path}"
+        (copy / path).write_text(source.replace(text, replacement))
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest sets them.
+        proc = subprocess.run(cmd, cwd=copy, capture_output=True, text=True, env=env)
+        lines = (proc.stdout or proc.stderr).strip().splitlines()
+        return proc.returncode != 0, time.perf_counter() - start, lines[-1] if lines else ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--list", action="store_true", help="list the breaks and their tests")
+    p.add_argument("names", nargs="*", help="breaks to run (a part of the name); default all")
+    a = p.parse_args()
+    chosen = [b for b in BREAKS if not a.names or any(n in b[0] for n in a.names)]
+    if a.list:
+        for name, path, _, _, tests in chosen:
+            print(f"{name:<42} {path:<28} {' '.join(tests)}")
+        return 0
+    survived = 0
+    for b in chosen:
+        failed, seconds, last = run_break(*b)
+        survived += not failed
+        verdict = "red, as it must be" if failed else "STILL PASSES"
+        print(f"{b[0]:<42} {verdict:<20} {seconds:6.0f} s  {last}", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
