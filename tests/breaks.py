@@ -37,9 +37,8 @@ BREAKS = [
     (
         "compiled memory not checked on a CPU",
         "angel_jax/train.py",
-        "        check_compiled(self.plan, compiled.memory_analysis())",
-        '        if jax.default_backend() != "cpu":\n'
-        "            check_compiled(self.plan, compiled.memory_analysis())",
+        'if jax.default_backend() != "cpu" or self.config.offload.device_gib <= 0:',
+        'if jax.default_backend() != "cpu":',
         [
             "tests/test_errors.py::test_cpu_plan_is_checked_against_the_compiled_step_before_allocating"
         ],

@@ -1,9 +1,6 @@
 """Mixture of experts: routers' bookkeeping, and expert parallel equal to one device."""
 
-import collections
 import functools
-import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +20,7 @@ from angel_jax.parallel.expert import (
     route_expert_choice,
     route_topk,
 )
+from tests.hlo import collective_sizes
 
 
 def mesh_of(**sizes):
@@ -230,18 +228,6 @@ def test_expert_axis_errors_name_the_settings():
         build(config, make_mesh(config.mesh))
     with pytest.raises(ConfigError, match="moe_dispatch_chunks=0: use 1 or more"):
         validate(small_config(model__num_experts=8, model__moe_dispatch_chunks=0))
-
-
-def collective_sizes(hlo: str) -> dict[str, list[int]]:
-    """Elements of each collective's result in a compiled program, by kind."""
-    found = collections.defaultdict(list)
-    for line in hlo.splitlines():
-        m = re.search(r" = (.*?) (all-to-all|all-gather|reduce-scatter)\(", line)
-        if m:
-            shapes = re.findall(r"\[([\d,]*)\]", m.group(1))
-            sizes = (math.prod(int(n) for n in dims.split(",") if n) for dims in shapes)
-            found[m.group(2)].append(sum(sizes))
-    return found
 
 
 @pytest.mark.parametrize("router", ["topk", "expert_choice", "dropless"])

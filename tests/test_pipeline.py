@@ -24,6 +24,7 @@ from angel_jax.parallel.pipeline import (
 from angel_jax.parallel.stage_plan import balance_layers, effective_remat, make_pipeline_plan
 from angel_jax.remat import REMATS, STAGE_REMATS
 from angel_jax.train import build
+from tests.hlo import collective_sizes
 from tests.test_train_parity import small_config
 
 LAYERS = 6  # Uneven over 4 stages, and over 2 x 2 virtual ones.
@@ -320,3 +321,28 @@ def test_cudnn_attention_with_other_split_axes_is_refused():
     with pytest.raises(ConfigError, match="config.model.attention=cudnn.*set config.model"):
         make_pipeline_plan(config, cfg, shape)
     make_pipeline_plan(config, cfg, {**shape, "data": 1})  # Pipeline alone: accepted.
+
+
+def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute():
+    """The mechanism, not the numbers: each stage keeps its half of the stacked layers (no
+    gather of the whole stack), and the microbatches' activations (rows x T x D) move between
+    stages by collective-permutes in the compiled step."""
+    config = small_config(
+        model__num_layers=LAYERS,
+        mesh__pipeline=2,
+        mesh__data=4,
+        pipeline__schedule="1f1b",
+        pipeline__balance="even",
+    )
+    exp = build(config, make_mesh(config.mesh))
+    state = exp.init_state()
+    layers = jax.tree.leaves(state.params["layers"])
+    assert all(x.addressable_shards[0].data.size * 2 == x.size for x in layers)
+    batch = exp.global_batch(make_batches(config)[0])
+    with sharding.use_rules(exp.mesh, exp.rules):
+        hlo = jax.jit(exp.loss_and_grads).lower(state.params, batch).compile().as_text()
+    sizes = collective_sizes(hlo)
+    t = config.train
+    rows = t.batch_size // config.mesh.data // config.pipeline.microbatches
+    assert rows * t.seq_len * config.model.d_model in sizes["collective-permute"], sizes
+    assert not {x.size for x in layers} & set(sizes["all-gather"]), sizes
