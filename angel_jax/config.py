@@ -18,8 +18,9 @@ class ConfigError(ValueError):
     """A bad setting or input, reported to the user as one line naming the setting and the fix."""
 
 
-# Choices of config.model.ring_blocks and moe_kernel (angel_jax/kernels.py).
-KERNELS = ("auto", "tokamax", "xla")
+# Choices of config.model.moe_kernel and ring_blocks (angel_jax/kernels.py).
+MOE_KERNELS = ("auto", "jax_pallas", "tokamax", "xla")
+RING_KERNELS = ("auto", "tokamax", "xla")
 # The options of enumerated settings, read by validation and by the modules that run them.
 SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
 ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
@@ -91,13 +92,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.experts_per_token = 2
     c.model.moe_ffn_dim = 0  # Each expert's hidden size; 0: ffn_dim.
     c.model.router = "topk"  # topk (capacity, drops) | expert_choice | dropless.
-    # dropless's grouped matmuls: auto (tokamax's Mosaic GPU grouped GEMM where it runs, else
-    # xla) | tokamax | xla (lax.ragged_dot).
+    # dropless's grouped matmuls: auto (the fastest that runs: JAX's Hopper Mosaic GPU grouped
+    # GEMMs, then tokamax's, else xla) | jax_pallas | tokamax | xla (lax.ragged_dot).
     c.model.moe_kernel = "auto"
-    # dropless: each expert's first share x (its even share of the assignments) through one
-    # batched dense matmul, only the rest through the grouped GEMMs (3x slower on an H200);
-    # 0: all through the grouped GEMMs. Exact either way: nothing is dropped.
-    c.model.moe_dense_share = 0.0
     c.model.capacity_factor = 1.25  # Slots per expert over the even share of assignments.
     # Capacity routers move the expert buffers in this many parts, so that one part's
     # all-to-all can overlap another's expert compute.
@@ -417,10 +414,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.model.experts_per_token={m.experts_per_token}: must be between 1 and "
             f"config.model.num_experts={m.num_experts}"
         )
-    if not 0.0 <= m.moe_dense_share <= 1.0:
-        raise ConfigError(
-            f"config.model.moe_dense_share={m.moe_dense_share}: use a share from 0 to 1"
-        )
     if m.moe_dispatch_chunks < 1:
         raise ConfigError(
             f"config.model.moe_dispatch_chunks={m.moe_dispatch_chunks}: use 1 or more"
@@ -443,8 +436,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     stage_remats = ("auto", *STAGE_REMATS)
     choose("pipeline.remat", pc.remat, stage_remats)
-    for setting in ("ring_blocks", "moe_kernel"):
-        choose(f"model.{setting}", m[setting], KERNELS)
+    choose("model.ring_blocks", m.ring_blocks, RING_KERNELS)
+    choose("model.moe_kernel", m.moe_kernel, MOE_KERNELS)
     choose("model.dtype", m.dtype, ("bfloat16", "float16", "float32"))
     if t.batch_size % t.microbatches:
         raise ConfigError(

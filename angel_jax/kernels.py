@@ -1,13 +1,17 @@
-"""Library kernels and the choice between them: tokamax's Mosaic GPU grouped GEMM (MoE experts)
-and flash attention blocks (ring attention), or XLA's own ops.
+"""Library kernels and the choice between them: grouped GEMMs for MoE experts (JAX's own
+Pallas Mosaic GPU kernels or tokamax's), tokamax's flash attention blocks for ring attention,
+or XLA's own ops.
 
-tokamax (PyPI `tokamax`, Python >= 3.12, jax >= 0.11.1; tested on 0.11.2) has Pallas Mosaic
-GPU kernels for Hopper and newer. On one H200 its grouped GEMM ran 246 TFLOP/s forward +
-backward where `lax.ragged_dot` ran 40 (XLA lowers it to dense matmuls over every group on
-CUDA; experiments/results/grouped_gemm.json), and its flash attention blocks 0.81-0.92 of
-cuDNN's (attention_kernels.json). Elsewhere (CPU, older GPUs, Python 3.11, float32) the XLA ops
-run; `config.model.moe_kernel` and `config.model.ring_blocks` choose (auto | tokamax | xla),
-and `choose` says why auto fell back.
+Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/results/grouped_gemm.json),
+forward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels (`ragged_dot_mgpu`
+for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 650-680 in every direction,
+tokamax 0.0.17's 320-330, a dense cuBLAS matmul of the same FLOPs 750-760, `lax.ragged_dot`
+46 (XLA lowers it to dense matmuls over every group on CUDA). tokamax (PyPI `tokamax`,
+Python >= 3.12, jax >= 0.11.1) also has flash attention blocks that return the log-sum-exp
+the ring needs: 0.82-0.94 of cuDNN's TFLOP/s forward + backward (attention_kernels.json).
+Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
+(auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | tokamax | xla)
+choose, and `choose` says why auto fell back.
 """
 
 import functools
@@ -15,11 +19,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from angel_jax.config import KERNELS, ConfigError
+from angel_jax.config import MOE_KERNELS, RING_KERNELS, ConfigError
 
 F32 = jnp.float32
-# Compute capabilities with tokamax's sm90 / sm100 Mosaic GPU kernels.
+# Compute capabilities with tokamax's sm90 / sm100 Mosaic GPU kernels; JAX's grouped GEMMs
+# are Hopper's (WGMMA).
 _MOSAIC_GPUS = ("9.0", "10.0")
+_HOPPER = "9.0"
 
 
 @functools.cache
@@ -37,44 +43,122 @@ def tokamax_missing() -> str | None:
     return None
 
 
+@functools.cache
+def jax_pallas_missing() -> str | None:
+    """Why JAX's Hopper grouped GEMMs cannot run here, or None if they can."""
+    if jax.default_backend() != "gpu":
+        return f"no GPU (backend {jax.default_backend()})"
+    capability = getattr(jax.devices()[0], "compute_capability", "?")
+    if capability != _HOPPER:
+        return f"compute capability {capability} (its kernels are Hopper's, sm90)"
+    try:
+        from jax.experimental.pallas.ops.gpu import (  # noqa: F401
+            ragged_dot_mgpu,
+            transposed_ragged_dot_mgpu,
+        )
+    except ImportError as e:
+        return f"jax {jax.__version__} lacks them ({e})"
+    return None
+
+
 def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
-    """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: `tokamax`
-    or `xla`, and for an auto that fell back on a GPU the line that says so."""
-    if value not in KERNELS:
-        raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(KERNELS)}")
-    missing = tokamax_missing()
-    if missing is None and dtype not in ("bfloat16", "float16"):
-        missing = f"config.model.dtype={dtype} (its kernels take bf16 or fp16)"
-    if value == "tokamax" and missing:
+    """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
+    kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes
+    the fastest that runs: for the grouped GEMMs JAX's, then tokamax's."""
+    choices = MOE_KERNELS if setting == "moe_kernel" else RING_KERNELS
+    if value not in choices:
+        raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(choices)}")
+    libraries = [k for k in choices if k not in ("auto", "xla")]
+    checks = {"jax_pallas": jax_pallas_missing, "tokamax": tokamax_missing}
+    missing = {}
+    for kernel in libraries:
+        missing[kernel] = checks[kernel]()
+        if missing[kernel] is None and dtype not in ("bfloat16", "float16"):
+            missing[kernel] = f"config.model.dtype={dtype} (its kernels take bf16 or fp16)"
+    if value in missing and missing[value]:
         raise ConfigError(
-            f"config.model.{setting}=tokamax needs tokamax's Mosaic GPU kernels, which cannot "
-            f"run here: {missing}; use {setting}=auto or xla"
+            f"config.model.{setting}={value} needs its Mosaic GPU kernels, which cannot run "
+            f"here: {missing[value]}; use {setting}=auto or xla"
         )
     if value != "auto":
         return value, None
-    if missing is None:
-        return "tokamax", None
+    for kernel in libraries:
+        if missing[kernel] is None:
+            return kernel, None
     note = None
     if jax.default_backend() == "gpu":
-        note = f"config.model.{setting}=auto runs XLA's kernel, not tokamax's: {missing}"
+        why = "; ".join(f"{k}: {missing[k]}" for k in libraries)
+        note = f"config.model.{setting}=auto runs XLA's kernel, not a library's ({why})"
     return "xla", note
 
 
-def ragged_dot(x_MK, w_GKN, sizes_G, kernel: str):
+def ragged_dot(x_MK, w_GKN, sizes_G, kernel: str, every_row: bool = False):
     """Grouped matmul (M, N): rows of x in consecutive groups of `sizes`, group g times w[g].
-    Rows past sum(sizes) are zero and get zero gradient: tokamax leaves them unwritten, in the
-    output and in its backward's dx."""
+    Rows past sum(sizes) are zero and get zero gradient: the library kernels leave them
+    unwritten, in the output and in their backward's dx. `every_row`: the caller knows the
+    groups cover all M rows, so no masking (two passes over (M, K) and (M, N) saved)."""
+    if every_row:
+        return _ragged_dot(x_MK, w_GKN, sizes_G, kernel)
     grouped = (jnp.arange(x_MK.shape[0]) < jnp.sum(sizes_G))[:, None]
     x_MK = jnp.where(grouped, x_MK, jnp.zeros((), x_MK.dtype))
+    out = _ragged_dot(x_MK, w_GKN, sizes_G, kernel)
+    return jnp.where(grouped, out, jnp.zeros((), out.dtype))
+
+
+def _ragged_dot(x_MK, w_GKN, sizes_G, kernel: str):
+    if kernel == "jax_pallas":
+        return _hopper_ragged_dot(x_MK, w_GKN, sizes_G)
     if kernel == "tokamax":
         import tokamax
 
         # One implementation named, so a kernel that cannot run fails loudly rather than
         # falling back to another inside tokamax.
-        out = tokamax.ragged_dot(x_MK, w_GKN, sizes_G, implementation="mosaic")
-    else:
-        out = jax.lax.ragged_dot(x_MK, w_GKN, sizes_G)
-    return jnp.where(grouped, out, jnp.zeros((), out.dtype))
+        return tokamax.ragged_dot(x_MK, w_GKN, sizes_G, implementation="mosaic")
+    return jax.lax.ragged_dot(x_MK, w_GKN, sizes_G)
+
+
+# Tiles of JAX's Hopper grouped GEMMs, the fastest of a sweep at moe_1b's shapes on an H200
+# (grouped_gemm.json): 192 x 128 output tiles for the forward and dX (650-670 TFLOP/s; 128 x
+# 128 ran 620-630, 128 x 256 and 256 x 128 under 200), 128 x 128 for dW (675-680).
+_ROWS_TILE = dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
+_WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
+
+
+@jax.custom_vjp
+def _hopper_ragged_dot(x_MK, w_GKN, sizes_G):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    k, n = w_GKN.shape[1:]
+    if k % 128 or n % 128:  # dW's tiles are 128 x 128 over (K, N); the others need K % 64.
+        raise ConfigError(
+            f"config.model.moe_kernel=jax_pallas: a grouped matmul of {k} -> {n} features; "
+            "its kernels need both multiples of 128 (d_model and moe_ffn_dim): change them or "
+            "use moe_kernel=tokamax or xla"
+        )
+    return ragged_dot_mgpu.ragged_dot(x_MK, w_GKN, group_sizes=sizes_G, **_ROWS_TILE)
+
+
+def _hopper_ragged_dot_fwd(x_MK, w_GKN, sizes_G):
+    return _hopper_ragged_dot(x_MK, w_GKN, sizes_G), (x_MK, w_GKN, sizes_G)
+
+
+def _hopper_ragged_dot_bwd(residuals, dout_MN):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    x_MK, w_GKN, sizes_G = residuals
+    dout_MN = dout_MN.astype(x_MK.dtype)
+    # dX = dout @ w[g]^T: w as stored is the transposed right-hand side.
+    dx = ragged_dot_mgpu.ragged_dot(
+        dout_MN, w_GKN, group_sizes=sizes_G, transpose_rhs=True, **_ROWS_TILE
+    )
+    # dW[g] = x_g^T dout_g over each group's rows (zero for an empty group).
+    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x_MK, dout_MN, group_sizes=sizes_G, **_WEIGHTS_TILE
+    )
+    return dx, dw.astype(w_GKN.dtype), None
+
+
+_hopper_ragged_dot.defvjp(_hopper_ragged_dot_fwd, _hopper_ragged_dot_bwd)
 
 
 # Flash attention blocks for ring attention. A block is one (query chunk, key chunk) pair,

@@ -22,8 +22,5 @@ def get_config():
         router="topk",
         capacity_factor=1.25,
         remat="dots_no_batch",  # As measured (experiments/results/moe_throughput_*.json).
-        # With router=dropless: 90% of each expert's even share through one dense matmul, the rest
-        # through the grouped GEMMs: 1.16x over all grouped (moe_throughput_1gpu_dense_share).
-        moe_dense_share=0.9,
     )
     return c

@@ -11,6 +11,12 @@ the zigzag pair of chunks cut into three blocks (two causal, one full). FLOPs co
 causal half for all: 4 * B * T * T * N * H / 2 forward, 2.5 times that more for the backward
 (its five matmuls against the forward's two). Each row also counts the compiled programs'
 custom calls (`*_kernels`), to show which kernels ran.
+
+    python experiments/attention_kernels.py --vjp-configs [--shapes ...] [--out FILE]
+
+times the ring block's forward + backward instead under each of tokamax's sm90 backward
+configs (its autotuning space, and the heuristic that angel_jax/kernels.py gets), causal and
+full, beside cuDNN's causal or full attention.
 """
 
 import argparse
@@ -69,16 +75,79 @@ def cudnn_forward_backward(q, k, v, do):
     return vjp(do)
 
 
+# (block_q, block_kv, num_stages, compute_wgs) of tokamax's sm90 flash backward; the first is
+# its heuristic's (what runs without a config).
+VJP_CONFIGS = [(64, 64, 2, 2), (64, 64, 3, 2), (128, 64, 2, 2), (128, 64, 3, 2), (64, 64, 2, 1)]
+VJP_CONFIGS += [(128, 128, 2, 2), (64, 128, 2, 2)]
+
+
+def sweep_vjp_configs(shapes: str, heads: int, kv_heads: int) -> list[dict]:
+    """forward + backward TFLOP/s of the ring block per tokamax backward config, causal and
+    full, with cuDNN's beside."""
+    import jax
+    import jax.numpy as jnp
+    from tokamax._src.ops.attention import pallas_mosaic_gpu as forward_op
+    from tokamax._src.ops.attention import pallas_mosaic_gpu_vjp as backward_op
+    from tokamax._src.ops.attention import pallas_mosaic_gpu_vjp_kernel_sm90 as sm90
+
+    from angel_jax import kernels
+
+    results = []
+    for shape in shapes.split(","):
+        t, h = map(int, shape.split(":"))
+        for causal in (True, False):
+            b = max(1, 16384 // t)
+            keys = jax.random.split(jax.random.key(0), 4)
+            q, do = (jax.random.normal(key, (b, t, heads, h), jnp.bfloat16) for key in keys[:2])
+            k, v = (jax.random.normal(key, (b, t, kv_heads, h), jnp.bfloat16) for key in keys[2:])
+            flops = 3.5 * 4 * b * t * t * heads * h / (2 if causal else 1)
+
+            def cudnn(q, k, v, do, causal=causal):
+                attend = lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation="cudnn"
+                )
+                return jax.vjp(attend, q, k, v)[1](do)
+
+            def block(q, k, v, do, causal=causal):
+                q, do = grouped(q, kv_heads), grouped(do, kv_heads)
+                out, lse = kernels.tokamax_block(q, k, v, causal)
+                return kernels.tokamax_block_grads(q, k, v, do, out, lse, causal)
+
+            row = dict(batch=b, seq_len=t, head_dim=h, causal=causal)
+            row["cudnn_fwd_bwd_tflops"] = flops / timed(jax.jit(cudnn), q, k, v, do) / 1e12
+            for bq, bkv, stages, wgs in VJP_CONFIGS:
+                config = sm90.Config(
+                    block_q_dkv=bq, block_kv_dkv=bkv, block_q_dq=bq, block_kv_dq=bkv,
+                    num_stages=stages, compute_wgs=wgs,
+                )  # fmt: skip
+                ops = (forward_op.PallasMosaicGpuFlashAttention(),
+                       backward_op.PallasMosaicGpuFlashAttentionVjp(config=config))  # fmt: skip
+                kernels._tokamax_attention = lambda ops=ops: ops  # This config's kernels.
+                key = f"bwd_{bq}x{bkv}_stages{stages}_wgs{wgs}_tflops"
+                try:
+                    row[key] = flops / timed(jax.jit(block), q, k, v, do) / 1e12
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is a result.
+                    row[key] = f"{type(e).__name__}: {str(e)[:160]}"
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default="2048:64,8192:64,32768:64,8192:128")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "experiments/results/attention_kernels.json"))
+    p.add_argument("--vjp-configs", action="store_true", help="sweep tokamax's backward configs")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
+
+    if args.vjp_configs:
+        write_results(args.out, sweep_vjp_configs(args.shapes, args.heads, args.kv_heads))
+        return 0
 
     results = []
     for shape in args.shapes.split(","):

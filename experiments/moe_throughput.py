@@ -1,18 +1,19 @@
 """Mixture-of-experts throughput: `moe_1b` per router beside the dense model of the same active
 parameters, on one GPU or with expert parallel over several.
 
-    python experiments/moe_throughput.py [--expert 1] [--dispatch-chunks 1,4] [--out FILE]
+    python experiments/moe_throughput.py [--expert 1] [--dispatch-chunks 1,4] [--out FILE] \
+        [-- --config.model.scan_layers=false ...]
 
-Each run records the compiled step's custom calls (`kernels`; tokamax's grouped GEMMs are
-Mosaic GPU ones). MFU counts active parameters only (the experts a token goes through, shared
-ones included), the convention of MaxText's MoE figures. The dense twin is `llama_1b` with its
-MLP as wide as a token's active experts (experts_per_token + shared_experts) x moe_ffn_dim, so
-both do the same matmul FLOPs per token. --expert N shards the experts over N devices (the
-dense twin runs data parallel over the same N); the per-device batch stays the same.
+Each run records the compiled step's custom calls (`kernels`; JAX's and tokamax's grouped
+GEMMs are Mosaic GPU ones). MFU counts active parameters only (the experts a token goes
+through, shared ones included), the convention of MaxText's MoE figures. The dense twin is
+`llama_1b` with its MLP as wide as a token's active experts (experts_per_token +
+shared_experts) x moe_ffn_dim, so both do the same matmul FLOPs per token. --expert N shards
+the experts over N devices (the dense twin runs data parallel over the same N); the
+per-device batch stays the same.
 """
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -32,15 +33,11 @@ def main() -> int:
     p.add_argument(
         "--moe-kernels",
         default="auto",
-        help="comma-separated config.model.moe_kernel to run dropless with (auto | tokamax | xla)",
-    )
-    p.add_argument(
-        "--dense-shares",
-        default="",
-        help="comma-separated config.model.moe_dense_share to run dropless with (default: "
-        "the config's)",
+        help="comma-separated config.model.moe_kernel to run dropless with "
+        "(auto | jax_pallas | tokamax | xla)",
     )
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("overrides", nargs="*", help="config overrides for every run, after --")
     p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -48,15 +45,14 @@ def main() -> int:
 
     moe = load_config(str(ROOT / "configs/moe_1b.py"), []).model
     active_ffn = (moe.experts_per_token + moe.shared_experts) * moe.moe_ffn_dim
-    batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}"]
+    batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}", *a.overrides]
     runs = []
     for router in a.routers.split(","):
         dropless = router == "dropless"
         for chunks in ["1"] if dropless else a.dispatch_chunks.split(","):
             kernels = a.moe_kernels.split(",") if dropless else ["auto"]
-            shares = a.dense_shares.split(",") if dropless and a.dense_shares else [None]
-            for kernel, share in itertools.product(kernels, shares):
-                label = f" ({kernel}, dense share {share})" if share else f" ({kernel})"
+            for kernel in kernels:
+                label = f" ({kernel})"
                 runs.append(
                     (
                         f"moe_1b {router}{label if dropless else ''} expert={a.expert}"
@@ -67,7 +63,6 @@ def main() -> int:
                             f"--config.model.router={router}",
                             f"--config.model.moe_dispatch_chunks={chunks}",
                             f"--config.model.moe_kernel={kernel}",
-                            *([f"--config.model.moe_dense_share={share}"] if share else []),
                             f"--config.mesh.expert={a.expert}",
                             "--config.mesh.data=1",
                         ],

@@ -8,9 +8,8 @@ how the batch is split over devices):
                  the token);
   expert_choice  each expert picks its `capacity` best tokens of the group (Zhou et al. 2022);
   dropless       topk with no capacity: assignments sorted by expert, experts applied with
-                 grouped matmuls (tokamax's Mosaic GPU grouped GEMM or `jax.lax.ragged_dot`,
-                 `config.model.moe_kernel`); with `moe_dense_share`, each expert's first
-                 rows through one batched dense matmul instead.
+                 grouped matmuls (JAX's or tokamax's Mosaic GPU grouped GEMMs or `lax.ragged_dot`,
+                 `config.model.moe_kernel`).
 The compute and expert parallelism on `expert` live in parallel/expert.py.
 
 Losses (returned as metrics and added to the training loss by their weights): the router
@@ -52,8 +51,7 @@ class MoE(nn.Module):
     capacity_factor: float = 1.25
     dtype: jnp.dtype = jnp.bfloat16
     dispatch_chunks: int = 1  # Parts of the slot buffers moved one after another.
-    kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax" (angel_jax/kernels.py).
-    dense_share: float = 0.0  # dropless: rows per expert through a dense matmul (`dense_rows`).
+    kernel: str = "xla"  # dropless's grouped matmuls (angel_jax/kernels.py).
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -77,7 +75,6 @@ class MoE(nn.Module):
             self.capacity_factor,
             self.dispatch_chunks,
             self.kernel,
-            self.dense_share,
         )
         z, balance = router_losses(logits, load)
         return y.astype(x_BTD.dtype), dict(

@@ -56,8 +56,7 @@ class LlamaConfig:
     router: str = "topk"
     capacity_factor: float = 1.25
     moe_dispatch_chunks: int = 1
-    moe_kernel: str = "xla"  # dropless's grouped matmuls: "xla" or "tokamax".
-    moe_dense_share: float = 0.0  # dropless: rows per expert through a dense matmul.
+    moe_kernel: str = "xla"  # dropless's grouped matmuls: "xla", "jax_pallas" or "tokamax".
     shared_experts: int = 0
     scan_layers: bool = True
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
@@ -95,7 +94,6 @@ class LlamaConfig:
             attention=None if attention == "xla" else attention,
             ring_blocks=choose("ring_blocks", model.ring_blocks, model.dtype)[0],
             moe_kernel=choose("moe_kernel", model.moe_kernel, model.dtype)[0],
-            moe_dense_share=model.moe_dense_share,
             scan_layers=model.scan_layers,
         )
 
@@ -161,7 +159,6 @@ class DecoderLayer(nn.Module):
             dtype,
             cfg.moe_dispatch_chunks,
             cfg.moe_kernel,
-            cfg.moe_dense_share,
             name="moe",
         )(x)
         if cfg.shared_experts:

@@ -92,65 +92,105 @@ def swiglu_experts(x, gate, up, down):
     return jnp.einsum("...ecf,efd->...ecd", h, down)
 
 
-def dense_rows(assignments: int, experts: int, share: float) -> int:
-    """Rows per expert that `dropless_experts` runs through the dense batched matmul: `share` of the
-    even share of `assignments`, rounded down to a multiple of 8 (0 turns it off)."""
-    return int(share * assignments / experts) // 8 * 8
+def _rows(a, idx):
+    """a's rows idx, idx a permutation."""
+    return a.at[idx].get(unique_indices=True, mode="promise_in_bounds")
 
 
-def dropless_experts(x_ND, top_e, top_p, gate, up, down, first: int, kernel: str, dense: int = 0):
+@jax.custom_vjp
+def sorted_rows(x_ND, order_M, position_M):
+    """x's row of each sorted assignment (M, D): token order // K. Its gradient gathers the
+    sorted rows back into assignment order and sums each token's K (gathers and a sum, where
+    autodiff of a gather would scatter-add)."""
+    k = order_M.size // x_ND.shape[0]
+    return x_ND.at[order_M // k].get(mode="promise_in_bounds")
+
+
+def _sorted_rows_fwd(x_ND, order_M, position_M):
+    return sorted_rows(x_ND, order_M, position_M), (x_ND.shape[0], order_M, position_M)
+
+
+def _sorted_rows_bwd(residuals, d_MD):
+    n, order_M, position_M = residuals
+    d_NKD = _rows(d_MD, position_M).reshape(n, -1, d_MD.shape[-1])
+    return jnp.sum(d_NKD.astype(F32), axis=1).astype(d_MD.dtype), None, None
+
+
+sorted_rows.defvjp(_sorted_rows_fwd, _sorted_rows_bwd)
+
+
+@jax.custom_vjp
+def unsorted_rows(y_MD, order_M, position_M):
+    """The sorted rows y back in assignment order (a permutation: its gradient is the inverse
+    permutation, a gather)."""
+    return _rows(y_MD, position_M)
+
+
+def _unsorted_rows_fwd(y_MD, order_M, position_M):
+    return unsorted_rows(y_MD, order_M, position_M), (order_M, position_M)
+
+
+def _unsorted_rows_bwd(residuals, d_MD):
+    order_M, _ = residuals
+    return _rows(d_MD, order_M), None, None
+
+
+unsorted_rows.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)
+
+
+@jax.custom_vjp
+def swiglu(h_MF2):
+    """silu(gate) * up of the fused gate/up output (M, 2F): its gradient is written as one
+    (M, 2F) array, not two halves padded and added."""
+    gate, up = jnp.split(h_MF2, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(h_MF2):
+    return swiglu(h_MF2), h_MF2
+
+
+def _swiglu_bwd(h_MF2, d_MF):
+    gate, up = jnp.split(h_MF2.astype(F32), 2, axis=-1)
+    d, sig = d_MF.astype(F32), jax.nn.sigmoid(gate)
+    d_gate = d * up * sig * (1.0 + gate * (1.0 - sig))
+    return (jnp.concatenate([d_gate, d * gate * sig], axis=-1).astype(h_MF2.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def dropless_experts(x_ND, top_e, top_p, gate, up, down, first, kernel: str, all_local=False):
     """Outputs (N, D) f32 of the experts first..first+E_local over rows x with their top-K
-    choices. Each expert's first `dense` assignments (in row order) go through one batched
-    dense matmul (E, C, D) x (E, D, F), groups short of C padded with zeros; the rest, sorted
-    by expert, through grouped matmuls (`kernels.ragged_dot`). A grouped GEMM runs at a third
-    of a dense matmul's speed on an H200 (experiments/results/grouped_gemm.json), so with
-    balanced routing most of the work moves to the fast kernel; none is ever dropped. The
-    outputs are gathered back per assignment and weighted per row."""
+    choices (`all_local`: these are all the experts, so every row is this rank's). The
+    assignments, sorted by expert, go through grouped matmuls (`kernels.ragged_dot`, gate and
+    up as one of 2F outputs, so x is read once); none is ever dropped. The sorted rows move by
+    gathers both ways, in the backward pass too. The outputs come back per assignment and are
+    weighted per row."""
     n, k = top_e.shape
-    m, local, c = n * k, gate.shape[0], dense
+    m, local = n * k, gate.shape[0]
     flat_e = top_e.reshape(-1) - first
     mine = (flat_e >= 0) & (flat_e < local)
-    key = jnp.where(mine, flat_e, local)  # Other ranks' experts sort last, past the groups.
-    order = jnp.argsort(key, stable=True)  # Sorted slot -> assignment (row * K + choice).
+    # Other ranks' assignments sort last, past the groups: the kernels leave those rows out.
+    key = jnp.where(mine, flat_e, local)
+    order = jnp.argsort(key, stable=True)  # Sorted row -> assignment (token * K + choice).
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(m), unique_indices=True)
     sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    permute = lambda a, idx: a.at[idx].get(unique_indices=True)
-    inverse = lambda perm: jnp.zeros_like(perm).at[perm].set(jnp.arange(m), unique_indices=True)
-    position = inverse(order) - jnp.append(starts, 0)[key]  # Within its expert's assignments.
-    in_dense = mine & (position < c)
-    # The rest, sorted by expert, are the grouped GEMMs' rows; the dense part's and other
-    # ranks' sort past the groups (the kernels leave those rows out).
-    rest_key = jnp.where(in_dense, local, key)
-    rest_order = jnp.argsort(rest_key, stable=True) if c else order
-    rest_sizes = jnp.bincount(rest_key, length=local + 1)[:local].astype(jnp.int32)
-    x_rep = jnp.repeat(x_ND, k, axis=0)  # One row per assignment.
-    named = lambda a: checkpoint_name(a, "experts")  # Saved by the dots remat policies.
-    # Under dots_no_batch the down projections are recomputed in the backward pass (the
-    # router's gradient needs them): keeping them too took moe_1b past one H200. With the
-    # dense part the grouped GEMMs hold only the overflow, cheap to recompute, in (M, F)
-    # buffers not worth keeping.
-    rest_named = named if c == 0 else (lambda a: a)
-    xr = permute(x_rep, rest_order)
-    h = jax.nn.silu(rest_named(ragged_dot(xr, gate, rest_sizes, kernel)))
-    h = h * rest_named(ragged_dot(xr, up, rest_sizes, kernel))
-    out = permute(ragged_dot(h, down, rest_sizes, kernel), inverse(rest_order))  # (M, D).
-    if c:
-        slot = starts[:, None] + jnp.arange(c)  # (E, C): sorted slots of each expert's first C.
-        dense_assignment = jnp.where(jnp.arange(c) < sizes[:, None], order[slot % m], m)
-        take = lambda a, idx: a.at[idx].get(mode="fill", fill_value=0)
-        xd = take(x_rep, dense_assignment)  # (E, C, D), zero past a group's size.
-        hd = jax.nn.silu(named(jnp.einsum("ecd,edf->ecf", xd, gate)))
-        hd = hd * named(jnp.einsum("ecd,edf->ecf", xd, up))
-        out_dense = jnp.einsum("ecf,efd->ecd", hd, down).reshape(local * c, -1)
-        dense_out = take(out_dense, jnp.where(in_dense, key * c + position, local * c))
-        out = jnp.where(in_dense[:, None], dense_out, out)
+    grouped = lambda x, w: ragged_dot(x, w, sizes, kernel, every_row=all_local)
+    # Both grouped matmuls' outputs are saved by the dots remat policies (the router's
+    # gradient needs the down projection's: saving it took moe_1b from 0.393 to 0.403 MFU on
+    # an H200 for 8 GiB). The barrier keeps XLA:GPU from fusing a kernel into the scan's
+    # stacking of saved values: it then ran the kernel twice, once for the stack and once for
+    # the layer (seen in the compiled HLO).
+    named = lambda a: checkpoint_name(jax.lax.optimization_barrier(a), "experts")
+    h = named(grouped(sorted_rows(x_ND, order, position), jnp.concatenate([gate, up], -1)))
+    y = named(grouped(swiglu(h), down))
+    out = unsorted_rows(y, order, position)  # (M, D), assignment order.
     weight = jnp.where(mine, top_p.reshape(-1), 0.0).reshape(n, k, 1)
     return jnp.sum(out.reshape(n, k, -1).astype(F32) * weight, axis=1)
 
 
-def expert_parallel(
-    router, x_BTD, logits_BTE, weights, k, factor, chunks=1, kernel="xla", dense_share=0.0
-):
+def expert_parallel(router, x_BTD, logits_BTE, weights, k, factor, chunks=1, kernel="xla"):
     """The routed expert outputs (B, T, D) f32, the load per expert (assignments, summed over
     the batch) and the number of dropped assignments, over the active mesh's `expert` axis (and
     `tensor` inside each expert) when the rules split the experts, else on one device.
@@ -217,17 +257,15 @@ def expert_parallel(
         load = jnp.sum(jax.nn.one_hot(top_e, e, dtype=F32), axis=(0, 1, 2))
         rows = lambda a: a.reshape(-1, *a.shape[2:])
         if not split:
-            dense = dense_rows(top_e.size, e, dense_share)
             out = dropless_experts(
-                rows(x), rows(top_e), rows(top_p), gate, up, down, 0, kernel, dense
+                rows(x), rows(top_e), rows(top_p), gate, up, down, 0, kernel, all_local=True
             )
             return out.reshape(x.shape), load, jnp.zeros((), F32)
         # Every rank of the expert group sees the group's tokens, applies its experts.
         gather = lambda a: jax.lax.all_gather(a, EXPERT, axis=0, tiled=True)
         first = jax.lax.axis_index(EXPERT) * gate.shape[0]
         top_e, top_p = rows(gather(top_e)), rows(gather(top_p))
-        dense = dense_rows(top_e.size, e, dense_share)
-        out = dropless_experts(rows(gather(x)), top_e, top_p, gate, up, down, first, kernel, dense)
+        out = dropless_experts(rows(gather(x)), top_e, top_p, gate, up, down, first, kernel)
         out = jax.lax.psum(out, TENSOR)
         out = jax.lax.psum_scatter(out, EXPERT, scatter_dimension=0, tiled=True)
         load = jax.lax.psum(load, (DATA, EXPERT))
