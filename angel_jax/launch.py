@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             args.coordinator, args.num_processes, args.process_id, args.local_device_ids
         )
         cluster.initialize(run, args.init_timeout_s)
+        from angel_jax.loop import train_loop
         from angel_jax.metrics import say
-        from angel_jax.train import train_loop
 
         if run:
             say(cluster.describe(run))

@@ -88,7 +88,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
     kernels = {}
     # The compiled step; with the optimizer offloaded, its compiled forward/backward part.
-    program = exp.grad_step if exp.plan.offloads_optimizer else train_step
+    program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
     if hasattr(program, "as_text"):
         text = program.as_text()
         kernels = custom_calls(text)
@@ -151,10 +151,10 @@ def offload_breakdown(exp, state, batch) -> dict:
     jax.block_until_ready(state)
     with sharding.use_rules(exp.mesh, exp.rules):
         start = time.perf_counter()
-        step, grads, scale, metrics = exp.grad_step(state.step, state.compute_params, batch)
+        step, grads, scale, metrics = exp.steps.grad_step(state.step, state.compute_params, batch)
         jax.block_until_ready((grads, metrics))
         middle = time.perf_counter()
-        jax.block_until_ready(exp.apply_streamed_update(state, step, grads, scale))
+        jax.block_until_ready(exp.steps.apply(state, step, grads, scale))
         end = time.perf_counter()
     moved = sum(
         x.size * x.dtype.itemsize

@@ -29,15 +29,15 @@ BREAKS = [
     ),
     (
         "ZeRO-2 grads not constrained",
-        "angel_jax/train.py",
+        "angel_jax/grads.py",
         "        # The shardings' tree is a prefix of `grads`",
         "        return grads\n        # The shardings' tree is a prefix of `grads`",
         ["tests/test_train_parity.py::test_zero_stage_layouts"],
     ),
     (
         "compiled memory not checked on a CPU",
-        "angel_jax/train.py",
-        'if jax.default_backend() != "cpu" or self.config.offload.device_gib <= 0:',
+        "angel_jax/steps.py",
+        'if jax.default_backend() != "cpu" or exp.config.offload.device_gib <= 0:',
         'if jax.default_backend() != "cpu":',
         [
             "tests/test_errors.py::test_cpu_plan_is_checked_against_the_compiled_step_before_allocating"
@@ -52,7 +52,7 @@ BREAKS = [
     ),
     (
         "a stop signal does not save",
-        "angel_jax/train.py",
+        "angel_jax/loop.py",
         "saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))",
         "saving = ckpt is not None and ckpt.should_save(step, t.steps)",
         ["tests/test_resume.py::test_a_stop_signal_saves_the_step_and_resume_recomputes_nothing"],

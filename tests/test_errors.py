@@ -425,12 +425,12 @@ def test_cli_truncated_latest_checkpoint_falls_back(trained, tmp_path):
 def test_out_of_memory_is_one_line_and_its_own_exit_status(monkeypatch, capsys, error):
     """An allocation that failed would fail again on restart: one line naming what to change,
     and the exit status the supervisor does not restart (5)."""
-    from angel_jax import launch, monitor, train
+    from angel_jax import launch, loop, monitor
 
     def oom(config, workdir):
         raise error
 
-    monkeypatch.setattr(train, "train_loop", oom)
+    monkeypatch.setattr(loop, "train_loop", oom)
     code = launch.main(["--config", "configs/tiny.py", "--workdir", "unused"])
     err = capsys.readouterr().err.strip()
     assert code == monitor.EXIT_OUT_OF_MEMORY == 5
@@ -439,12 +439,12 @@ def test_out_of_memory_is_one_line_and_its_own_exit_status(monkeypatch, capsys, 
 
 
 def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
-    from angel_jax import launch, train
+    from angel_jax import launch, loop
 
     def fails(config, workdir):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
-    monkeypatch.setattr(train, "train_loop", fails)
+    monkeypatch.setattr(loop, "train_loop", fails)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         launch.main(["--config", "configs/tiny.py", "--workdir", "unused"])
 
@@ -476,7 +476,7 @@ def test_cpu_plan_is_checked_against_the_compiled_step_before_allocating():
 
     small = tiny(64)
     estimate = small.plan.state_bytes["activations"] / 64  # Per row.
-    compiled = small.lowered_train_step().compile().memory_analysis().temp_size_in_bytes / 64
+    compiled = small.steps.lowered().compile().memory_analysis().temp_size_in_bytes / 64
     assert compiled > 1.3 * estimate  # XLA's temporaries outgrow the estimate here.
     usable = 0.95 * small.plan.budget["device"]
     rows = int(usable / ((estimate + compiled) / 2)) // 16 * 16  # Fits by the estimate only.

@@ -209,7 +209,7 @@ def test_every_projection_of_the_train_step_is_an_fp8_dot(lm_head):
     config = small_config(fp8__matmul=True, fp8__lm_head=lm_head)
     config.model.update(dtype="bfloat16", remat="none")
     exp = build(config, make_mesh(config.mesh, jax.devices()))
-    dots = dot_operand_types(exp.lowered_train_step().as_text())
+    dots = dot_operand_types(exp.steps.lowered().as_text())
     n = projections_per_layer(exp) + lm_head
     assert projections_per_layer(exp) == 7  # query, key, value, out, gate, up, down.
     assert {pair: dots[pair] for pair in [(E4, E4), (E5, E4), (E4, E5)]} == {
@@ -220,7 +220,7 @@ def test_every_projection_of_the_train_step_is_an_fp8_dot(lm_head):
     assert (E5, E5) not in dots  # No FP8 GEMM takes two e5m2 operands.
     config.fp8.update(matmul=False, lm_head=False)
     exp = build(config, make_mesh(config.mesh, jax.devices()))
-    assert not any("f8" in a + b for a, b in dot_operand_types(exp.lowered_train_step().as_text()))
+    assert not any("f8" in a + b for a, b in dot_operand_types(exp.steps.lowered().as_text()))
 
 
 def collective_elements(compiled_text: str) -> collections.Counter:
@@ -246,7 +246,7 @@ def test_fp8_matmuls_under_zero3_gather_each_weight_once_as_e4m3_bytes():
         config.model.update(dtype="bfloat16", remat="none")
         config.mesh.data = 8
         exp = build(config, make_mesh(config.mesh, jax.devices()))
-        gathered[name] = collective_elements(exp.lowered_train_step().compile().as_text())
+        gathered[name] = collective_elements(exp.steps.lowered().compile().as_text())
         per_layer = sum(
             math.prod(leaf.shape[1:])
             for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -255,7 +255,7 @@ def test_fp8_matmuls_under_zero3_gather_each_weight_once_as_e4m3_bytes():
             if jax.tree_util.keystr(path).endswith("['kernel']")
         )
         if fp8_on:
-            dots = dot_operand_types(exp.lowered_train_step().as_text())
+            dots = dot_operand_types(exp.steps.lowered().as_text())
             assert dots[E4, E4] == projections_per_layer(exp)
     # XLA:CPU widens bf16 collectives to f32; on a GPU these gathers are bf16.
     widened = lambda counts: sum(

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from angel_jax import checkpoint, interop, sharding, train
+from angel_jax import checkpoint, interop, loop, sharding, train
 from angel_jax.config import ConfigError, default_config, load_config, validate
 from angel_jax.interop import hf, llama
 from angel_jax.mesh import make_mesh
@@ -168,7 +168,7 @@ def test_finetune_recipe_starts_from_the_imported_weights(tmp_path):
     restored = checkpoint.Restored(7, state, 3, [])
     ckpt = types.SimpleNamespace(restore_latest=lambda target, policy: restored, directory=tmp_path)
     exp.init_state = lambda: pytest.fail("imported again despite a checkpoint")
-    _, data_index = train._restore_or_init(exp, ckpt, None, lambda message: None)
+    _, data_index = loop._restore_or_init(exp, ckpt, None, lambda message: None)
     assert data_index == 3
 
 

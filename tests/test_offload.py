@@ -95,8 +95,8 @@ def test_layer_streaming_equals_on_device(mesh):
     # when accumulated, and equal the on-device ones.
     batch = exp.global_batch(make_batches(exp.config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        jaxpr = str(jax.make_jaxpr(exp.loss_and_grads)(state.compute_params, batch))
-        _, grads = jax.jit(exp.loss_and_grads)(state.compute_params, batch)
+        jaxpr = str(jax.make_jaxpr(exp.grads.loss_and_grads)(state.compute_params, batch))
+        _, grads = jax.jit(exp.grads.loss_and_grads)(state.compute_params, batch)
     for g, s in zip(
         jax.tree.leaves(grads, is_leaf=lambda x: isinstance(x, tuple)), stacked, strict=True
     ):
@@ -391,7 +391,8 @@ def test_update_bounds_chunks_in_flight(in_flight):
     state = exp.init_state()
     batch = exp.global_batch(make_batches(config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        text = jax.jit(exp._grad_step).lower(state.step, state.compute_params, batch).as_text()
+        grad_step = jax.jit(exp.steps._grad_step)
+        text = grad_step.lower(state.step, state.compute_params, batch).as_text()
     # small_config: 2 layers x 9 stacked weights + embedding, final norm and LM head.
     chunks = 2 * 9 + 3
     assert text.count("optimization_barrier") == chunks - in_flight
@@ -404,8 +405,8 @@ def grads_and_jaxpr(config):
     state = exp.init_state()
     batch = exp.global_batch(make_batches(config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        jaxpr = str(jax.make_jaxpr(exp.loss_and_grads)(state.params, batch))
-        metrics, grads = jax.jit(exp.loss_and_grads)(state.params, batch)
+        jaxpr = str(jax.make_jaxpr(exp.grads.loss_and_grads)(state.params, batch))
+        metrics, grads = jax.jit(exp.grads.loss_and_grads)(state.params, batch)
     return float(metrics["loss"]), jax.device_get(grads), jaxpr
 
 

@@ -131,7 +131,7 @@ def loss_and_grads(config, devices):
     state = exp.init_state()
     batch = exp.global_batch(make_batches(config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        metrics, grads = jax.jit(exp.loss_and_grads)(state.params, batch)
+        metrics, grads = jax.jit(exp.grads.loss_and_grads)(state.params, batch)
     metrics, grads = jax.device_get((metrics, grads))
     if exp.pipeline:
         padding = exp.pipeline.layout.slot_layer < 0
@@ -340,7 +340,7 @@ def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute
     assert all(x.addressable_shards[0].data.size * 2 == x.size for x in layers)
     batch = exp.global_batch(make_batches(config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        hlo = jax.jit(exp.loss_and_grads).lower(state.params, batch).compile().as_text()
+        hlo = jax.jit(exp.grads.loss_and_grads).lower(state.params, batch).compile().as_text()
     sizes = collective_sizes(hlo)
     t = config.train
     rows = t.batch_size // config.mesh.data // config.pipeline.microbatches

@@ -38,7 +38,9 @@ def run_steps(config, devices, steps=3):
     init_params = jax.device_get(state.params)
     batches = make_batches(config)
     with sharding.use_rules(exp.mesh, exp.rules):
-        metrics, grads = jax.jit(exp.loss_and_grads)(state.params, exp.global_batch(batches[0]))
+        metrics, grads = jax.jit(exp.grads.loss_and_grads)(
+            state.params, exp.global_batch(batches[0])
+        )
     grads = jax.device_get(grads)
     losses = []
     for i in range(steps):
@@ -118,7 +120,7 @@ def test_zero_stage_layouts(stage):
 
     batch = exp.global_batch(make_batches(config)[0])
     with sharding.use_rules(exp.mesh, exp.rules):
-        hlo = jax.jit(exp._train_step).lower(state, batch).compile().as_text()
+        hlo = jax.jit(exp.steps.update).lower(state, batch).compile().as_text()
     gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
     if stage == 3:
         # Each layer's weights are gathered inside the layer loop, not all at once before it.
@@ -127,6 +129,6 @@ def test_zero_stage_layouts(stage):
         assert ("reduce-scatter" in hlo) == (stage >= 2)
     # The grads as the step makes them: each device holds 1/8 of them from stage 2 on.
     with sharding.use_rules(exp.mesh, exp.rules):
-        _, grads = jax.jit(exp.loss_and_grads)(state.params, batch)
+        _, grads = jax.jit(exp.grads.loss_and_grads)(state.params, batch)
     local = sum(x.addressable_shards[0].data.size for x in big(grads))
     assert local * (8 if stage >= 2 else 1) == sum(x.size for x in big(grads))

@@ -104,7 +104,7 @@ def _stacked_sharding(is_stacked, host_shardings):
 @dataclasses.dataclass(frozen=True)
 class OffloadedState:
     """What the offloaded states' bookkeeping needs: their layout and the SSD tier. `init`
-    gives a `train.TrainState`'s fields; the other methods take and give `TrainState`s
+    gives a `state_layout.TrainState`'s fields; the other methods take and give `TrainState`s
     (changed through `.replace`)."""
 
     stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).

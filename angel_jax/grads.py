@@ -1,0 +1,153 @@
+"""The gradients of a batch, in the ZeRO grad layout: in one pass, summed over microbatches,
+through the pipeline's schedule, or per data-parallel replica and averaged by PowerSGD.
+Streamed layers' grads stay in host memory (`Gradients.constrain`)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from angel_jax import sharding
+from angel_jax.losses import cross_entropy
+from angel_jax.models import family_of
+from angel_jax.offload.stream import Space, fetch_f32, layer_chunks, pipelined, regroup
+from angel_jax.parallel.pipeline import StageFunctions, pipeline_grads
+
+
+class Gradients:
+    """Of an `Experiment` (`exp`): its loss, layout and pipeline plan."""
+
+    def __init__(self, exp):
+        self.exp = exp
+
+    def loss_and_grads(self, params, batch_BT1: jax.Array):
+        """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
+        float32 when accumulated over microbatches; streamed layers' grads in host memory
+        (stacked, or one array per layer when accumulated)."""
+        if self.exp.pipeline:
+            return self._pipeline(params, batch_BT1)
+        grad_fn = jax.value_and_grad(self.exp.loss, has_aux=True)
+        micro = self.exp.config.train.microbatches
+        if micro == 1:
+            (_, metrics), grads = grad_fn(params, batch_BT1)
+            return metrics, self.constrain(grads)
+        # Microbatch j takes rows j, j + micro, ...: each device keeps its own rows.
+        rows, length = batch_BT1.shape
+        micro_MBT = batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
+
+        def accumulate(acc, mb):
+            (_, metrics), grads = grad_fn(params, mb)
+            acc_metrics, acc_grads = acc
+            grads = self._accumulate(acc_grads, self.constrain(grads), 1.0 / micro)
+            return (jax.tree.map(jnp.add, acc_metrics, metrics), grads), None
+
+        shapes = jax.eval_shape(lambda: self.exp.loss(params, micro_MBT[0])[1])
+        metrics0 = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes)
+        (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zeros()), micro_MBT)
+        return jax.tree.map(lambda m: m / micro, metrics), grads
+
+    def _pipeline(self, params, batch_BT1: jax.Array):
+        """`loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
+        j + m, ... (float32 grads)."""
+        inputs_BT, targets_BT = self.exp._inputs_and_targets(batch_BT1)
+        m = self.exp.config.pipeline.microbatches
+        micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
+        cfg, z_loss = self.exp.model_config, self.exp.config.train.z_loss
+        pieces = family_of(self.exp.config.model).pieces
+
+        def head_loss(shared, h_BTD, targets_BT):
+            h_BTD = pieces.final_norm(cfg, shared, h_BTD)
+            logits = pieces.lm_head(cfg, shared)(h_BTD).astype(jnp.float32)
+            logits = sharding.constrain(logits, ("batch", "length", "vocab"))
+            return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
+
+        fns = StageFunctions(
+            functools.partial(pieces.embed, cfg), functools.partial(pieces.layer, cfg), head_loss
+        )
+        shared = {name: p for name, p in params.items() if name != "layers"}
+        metrics, layer_grads, shared_grads = pipeline_grads(
+            self.exp.pipeline.schedule,
+            self.exp.pipeline.layout,
+            fns,
+            self.exp.mesh,
+            params["layers"],
+            shared,
+            micro(inputs_BT),
+            micro(targets_BT),
+            sharding.active_spec(("batch", "norm_length", "embed")),
+            jax.tree.map(lambda s: s.spec, self.exp.grad_sharding),
+        )
+        metrics.pop("objective")
+        return metrics, self.constrain({**shared_grads, "layers": layer_grads})
+
+    @functools.cached_property
+    def streamed(self):
+        """Like `self.exp.stacked`: the weights whose compute copy and grads live in host memory."""
+        return jax.tree.map(lambda s: s and self.exp.plan.streams_params, self.exp.stacked)
+
+    def constrain(self, grads):
+        """Grads (or their float32 sums) in the ZeRO grad layout; streamed layers' are left
+        where they are, in host memory in their params' layout (and per layer when summed)."""
+        # The shardings' tree is a prefix of `grads`, whose summed streamed leaves are tuples.
+        return jax.tree.map(
+            lambda s, host, g: g if host else jax.lax.with_sharding_constraint(g, s),
+            self.exp.grad_sharding,
+            self.streamed,
+            grads,
+        )
+
+    def _zeros(self):
+        """Float32 zeros to accumulate grads into; a streamed weight's one per layer on host."""
+
+        def zeros(p, host):
+            if not host:
+                return jnp.zeros(p.shape, jnp.float32)
+            layer = jnp.zeros(p.shape[1:], jnp.float32)
+            return tuple(jax.device_put(layer, Space.Host) for _ in range(p.shape[0]))
+
+        abstract = self.exp.abstract_state.compute_params
+        if abstract is None:
+            abstract = self.exp.abstract_state.params
+        return self.constrain(jax.tree.map(zeros, abstract, self.streamed))
+
+    def _accumulate(self, acc, grads, scale: float):
+        """acc + scale * grads in float32; streamed layers' sums stay in host memory, a layer
+        at a time on the device."""
+        if not self.exp.plan.streams_params:
+            return self.constrain(
+                jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc, grads)
+            )
+        chunks, layers, treedef = layer_chunks(grads, acc, stacked=self.exp.stacked)
+        dest = [Space.Host if n else Space.Device for n in layers for _ in range(n or 1)]
+
+        def add(k, g, a):
+            return (jax.device_put(fetch_f32(a) + fetch_f32(g) * scale, dest[k]),)
+
+        done = pipelined(add, [c[1:] for c in chunks], self.exp.config.offload.chunks_in_flight)
+        return self.constrain(regroup(done, layers, treedef)[0])
+
+    def powersgd(self, state, batch_BT1: jax.Array):
+        """(metrics, grads, new PowerSGD state): each replica's grads on its rows of the batch
+        (the mesh has no other split axis), averaged through PowerSGD's low-rank factors
+        instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early grads
+        are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
+        grad_fn = jax.value_and_grad(self.exp.loss, has_aux=True)
+        start = self.exp.config.train.powersgd_start_step
+
+        def per_replica(step, params, comm, batch):
+            with sharding.no_rules():
+                (_, metrics), grads = grad_fn(params, batch)
+            compressed = lambda: self.exp.powersgd.average(grads, comm, self.exp.stacked)
+            exact = lambda: (jax.lax.pmean(grads, "data"), comm)
+            grads, comm = jax.lax.cond(step >= start, compressed, exact)
+            return jax.lax.pmean(metrics, "data"), grads, comm
+
+        comm_specs = jax.tree.map(lambda s: s.spec, self.exp.state_sharding.comm)
+        return jax.shard_map(
+            per_replica,
+            mesh=self.exp.mesh,
+            in_specs=(P(), P(), comm_specs, P("data")),
+            out_specs=(P(), P(), comm_specs),
+            check_vma=False,
+        )(state.step, state.params, state.comm, batch_BT1)

@@ -1,0 +1,203 @@
+"""The training loop: from the latest checkpoint in a workdir (or from scratch) to
+config.train.steps, with metrics, checkpoints, rollbacks on anomalies and a clean stop on a
+signal. `train_loop` is what the launcher runs; the step it repeats comes from `train.build`.
+"""
+
+import pathlib
+import signal
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from angel_jax import kernels
+from angel_jax.config import ConfigError, validate
+from angel_jax.monitor import Stopped, StopRequest
+from angel_jax.state_layout import TrainState
+from angel_jax.train import Experiment, build
+
+
+def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+    """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train.steps`,
+    watched by a `monitor.Monitor` (anomalies, stragglers, hangs).
+
+    Returns the last logged metrics.
+    """
+    from angel_jax.monitor import Monitor
+
+    validate(config)
+    monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
+    stop = StopRequest()
+    try:
+        return _train_loop(config, workdir, monitor, stop)
+    finally:
+        stop.close()
+        monitor.close()
+
+
+def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
+    """(state, next batch index) from the newest readable checkpoint, or a fresh state."""
+    found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy) if ckpt else None
+    if found is None:
+        return exp.init_state(), 0
+    for step, reason in found.unreadable:
+        say(
+            f"warning: checkpoint {ckpt.directory / str(step)} is unreadable ({reason}); set "
+            f"aside as {step}.unreadable, resuming from the one before"
+        )
+        monitor.events.write("unreadable_checkpoint", step, reason=reason)
+    say(f"resumed from {ckpt.directory / str(found.step)}")
+    return exp.from_checkpointed(found.state), found.data_index
+
+
+def _train_loop(
+    config: ml_collections.ConfigDict, workdir: str, monitor, stop: StopRequest
+) -> dict | None:
+    from angel_jax.checkpoint import Checkpointer
+    from angel_jax.data import make_batches
+    from angel_jax.data.loader import process_rows
+    from angel_jax.mesh import make_mesh
+    from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
+
+    t = config.train
+    try:
+        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"--workdir {workdir}: cannot create it ({e}); pass a writable directory"
+        ) from None
+    mesh = make_mesh(config.mesh)
+    exp = build(config, mesh)
+    # This process's rows of each batch; checks the data before any device memory is taken.
+    batches = make_batches(config, process_rows(exp.batch_sharding, t.batch_size))
+    ckpt = None
+    if config.checkpoint.every_steps > 0:
+        ckpt = Checkpointer(
+            workdir,
+            config.checkpoint.every_steps,
+            config.checkpoint.keep,
+            config.checkpoint.async_save,
+        )
+    train_step = monitor.step_fn(exp)  # Compiled before the state takes the device's memory.
+    state, data_index = _restore_or_init(exp, ckpt, monitor, say)
+    start = int(jax.device_get(state.step))
+    if start >= t.steps:
+        say(
+            f"nothing to do: the run is at step {start} and config.train.steps="
+            f"{t.steps}; raise config.train.steps to train further"
+        )
+        if ckpt:
+            ckpt.close()
+        return None
+
+    cfg = exp.model_config
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state.params))
+    mesh_text = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "1 device"
+    say(
+        f"angel-jax: {n_params / 1e6:.1f}M params, {cfg.num_layers} layers, mesh {mesh_text} "
+        f"({mesh.size} {jax.devices()[0].platform} devices), ZeRO-{config.zero_stage}, "
+        f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
+    )
+    for line in kernels.banner(config.model, mesh.shape["context"] > 1):
+        say(line)
+    say(exp.plan.table())
+    if exp.pipeline:
+        say(exp.pipeline.table())
+    if t.lr_scaling != "none":
+        from angel_jax.optim.scaling import lr_and_warmup
+
+        lr, warmup = lr_and_warmup(t)
+        say(
+            f"learning rate {lr:.3g}, warmup {warmup} steps: config.train.lr={t.lr:g} and "
+            f"warmup_steps={t.warmup_steps} moved from batch {t.lr_base_batch or t.batch_size} "
+            f"to {t.batch_size} by lr_scaling={t.lr_scaling}"
+        )
+    peak = peak_tflops(t.peak_tflops)
+    if peak is None:
+        say(
+            f"note: no known peak FLOP/s for device kind {jax.devices()[0].device_kind!r}: MFU "
+            "is reported as null; set config.train.peak_tflops to report it"
+        )
+    flops_per_step = cfg.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
+    writer = MetricsWriter(workdir, t.tensorboard)
+    if jax.process_index() == 0:  # What this run was, for whoever reads the workdir later.
+        (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=1))
+    last = None
+
+    def due(step):
+        return step % t.log_every_steps == 0 or step == t.steps or step == start + 1
+
+    def log(step, device_metrics):
+        nonlocal last, t_last, step_last
+        # .item(): Python ints stay ints (`skipped`), floats floats.
+        metrics = {k: np.asarray(v).item() for k, v in jax.device_get(device_metrics).items()}
+        now = time.perf_counter()
+        step_time = (now - t_last) / (step - step_last)
+        metrics.update(
+            step_time_s=step_time,
+            tokens_per_s=t.batch_size * t.seq_len / step_time,
+            mfu=None if peak is None else flops_per_step / step_time / (peak * 1e12 * mesh.size),
+        )
+        if step == start + 1:
+            metrics["includes_compile"] = True
+        writer.write(step, metrics)
+        say(progress_line(step, t.steps, metrics))
+        t_last, step_last, last = now, step, metrics
+
+    t_last, step_last = time.perf_counter(), start
+    pending = None
+    batch_iter = batches.iterate(data_index)
+    step = start
+    monitor.start(step, data_index)
+    while step < t.steps:
+        batch = exp.global_batch(next(batch_iter))
+        with jax.transfer_guard("disallow"):
+            state, metrics = train_step(state, batch)
+        step, data_index = step + 1, data_index + 1
+        if pending:  # Step t's metrics are read after step t+1 is dispatched.
+            log(*pending)
+            pending = None
+        if due(step):
+            pending = (step, metrics)
+        stopping = stop.after(step)
+        saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))
+        # Reads the previous step's loss (and this one's before a save: no anomalous state is
+        # ever saved).
+        rollback = monitor.observe(step, metrics, data_index, sync=saving)
+        if rollback:
+            ckpt.manager.wait_until_finished()  # Then free the state before restoring.
+            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+            state, _ = _restore_or_init(exp, ckpt, monitor, say)
+            step, data_index = int(jax.device_get(state.step)), rollback.data_index
+            monitor.rolled_back(step, rollback)
+            batch_iter = batches.iterate(data_index)
+            pending, t_last, step_last = None, time.perf_counter(), step
+            continue
+        if saving:
+            if pending:  # Read already: metrics.jsonl is complete up to every checkpoint.
+                log(*pending)
+                pending = None
+            ckpt.save(step, exp.checkpointed(state), data_index, exp.plan.policy)
+            monitor.saved(step)
+        if stopping:
+            break
+    if pending:
+        log(*pending)
+    if ckpt:
+        ckpt.close()  # Waits for the last save.
+    writer.close()
+    if stop.signum is not None and step < t.steps:
+        name = signal.Signals(stop.signum).name
+        if ckpt:
+            say(
+                f"stopped by {name} after step {step}, saved in {ckpt.directory / str(step)}; "
+                "the same command resumes from there"
+            )
+        else:
+            say(
+                f"stopped by {name} after step {step}; nothing saved "
+                "(config.checkpoint.every_steps=0)"
+            )
+        raise Stopped(stop.signum)
+    return last

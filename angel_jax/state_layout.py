@@ -1,0 +1,160 @@
+"""The train state's layout: its parts (`TrainState`), their shapes, and where each lives
+(ZeRO shardings over the mesh, host memory or SSD for what the ZeRO-Cache planner offloads,
+PowerSGD's factors), decided once from the config, the mesh and the params' shapes."""
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from angel_jax import sharding
+from angel_jax.config import ConfigError
+from angel_jax.offload.planner import HOST, SSD, Plan, make_plan
+from angel_jax.offload.ssd import SSDTier
+from angel_jax.offload.state import OffloadedState, host_layout
+from angel_jax.offload.stream import StreamedUpdate
+from angel_jax.optim import Optimizer
+from angel_jax.optim.powersgd import PowerSGD
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # float32 masters.
+    opt_state: Any
+    # A compute-dtype copy when the masters live in host memory (ZeRO-Cache): on the device,
+    # or with layer streaming its layers in host memory; derived from `params`, so checkpoints
+    # leave it out.
+    compute_params: Any = None
+    # PowerSGD's state (config.train.powersgd_rank): per weight, Q and each replica's error.
+    comm: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    abstract_state: TrainState  # ShapeDtypeStructs with shardings, e.g. for restoring.
+    state_sharding: TrainState  # Of NamedShardings.
+    grad_sharding: Any
+    batch_sharding: NamedSharding
+    plan: Plan
+    stacked: Any  # Like the params, of bools: stacked over layers (a leading "layers" axis).
+    # The optimizer update of offloaded states, run after the jitted forward/backward step.
+    streamed_update: StreamedUpdate | None = None
+    # The offloaded states' layout and SSD tier, with plan.offloads_optimizer.
+    offloaded: OffloadedState | None = None
+    powersgd: PowerSGD | None = None  # Compressed data-parallel averaging of the grads.
+
+
+def make_state_layout(
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+    rules: sharding.Rules,
+    boxed_params: Any,
+    optimizer: Optimizer,
+    to_stages=None,
+) -> StateLayout:
+    """The layout of the state around params of these (logically boxed) shapes; `to_stages`
+    (the pipeline's) reorders the stacked layers stage by stage."""
+    logical = sharding.logical_axes(boxed_params)
+    abstract_params = flax.linen.meta.unbox(boxed_params)
+    if to_stages:  # Stored stage by stage.
+        abstract_params["layers"] = jax.eval_shape(
+            lambda x: jax.tree.map(to_stages, x), abstract_params["layers"]
+        )
+    stacked = jax.tree.map(lambda names: tuple(names[:1]) == ("layers",), logical)
+    abstract_opt = jax.eval_shape(lambda p: optimizer.init(p, stacked), abstract_params)
+
+    stage = config.zero_stage
+    specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
+    # State shaped like its parameter (moments) takes its (ZeRO) layout; the rest (step
+    # counts, factored moments) is small and replicated.
+    opt_specs = jax.tree.map(
+        lambda spec, p, leaf_state: jax.tree.map(
+            lambda x: spec if x.shape == p.shape else P(), leaf_state
+        ),
+        specs(stage >= 1),
+        abstract_params,
+        abstract_opt,
+    )
+    param_sharding = sharding.named(mesh, specs(stage >= 3))
+    grad_sharding = sharding.named(mesh, specs(stage >= 2))
+    # Offloaded masters are updated where their optimizer state is: in its ZeRO layout.
+    offloaded_master_sharding = sharding.named(mesh, specs(stage >= 1))
+    opt_sharding = sharding.named(mesh, opt_specs)
+    plan = make_plan(
+        config,
+        mesh,
+        params=sharding.with_shardings(abstract_params, param_sharding),
+        grads=sharding.with_shardings(abstract_params, grad_sharding),
+        offloaded_masters=sharding.with_shardings(abstract_params, offloaded_master_sharding),
+        opt=sharding.with_shardings(abstract_opt, opt_sharding),
+        stacked=stacked,
+    )
+    compute_sharding = abstract_compute = ssd = update = None
+    if plan.offloads_optimizer:
+        dtype = jnp.dtype(config.model.dtype)
+        # Streamed layers' compute copy lives in host memory.
+        compute_sharding = jax.tree.map(
+            lambda s, is_stacked: (
+                s.with_memory_kind(HOST) if is_stacked and plan.streams_params else s
+            ),
+            param_sharding,
+            stacked,
+        )
+        abstract_compute = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
+        )
+        abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = host_layout(
+            abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
+        )
+        on_disk = [c for c in chunks if c.tier == SSD]
+        if on_disk:
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "config.offload.ssd_dir: the SSD tier runs in one process only for now; "
+                    "leave it empty on multi-process runs"
+                )
+            ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
+        update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd)
+    powersgd = abstract_comm = comm_sharding = None
+    if config.train.powersgd_rank:
+        powersgd = PowerSGD(config.train.powersgd_rank)
+        replicas = mesh.shape["data"]
+        abstract_comm = jax.eval_shape(
+            lambda: powersgd.init(abstract_params, stacked, replicas, jax.random.key(0))
+        )
+        # Q is the replicas' common factor; the errors are each replica's own.
+        comm_sharding = jax.tree.map(
+            lambda s: (NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+            abstract_comm,
+            is_leaf=lambda s: isinstance(s, tuple),
+        )
+    state_sharding = TrainState(
+        NamedSharding(mesh, P()), param_sharding, opt_sharding, compute_sharding, comm_sharding
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract_state = sharding.with_shardings(
+        TrainState(scalar, abstract_params, abstract_opt, abstract_compute, abstract_comm),
+        state_sharding,
+    )
+    offloaded = None
+    if plan.offloads_optimizer:
+        dtype = jnp.dtype(config.model.dtype)
+        offloaded = OffloadedState(stacked, optimizer, state_sharding, dtype, ssd)
+    return StateLayout(
+        abstract_state=abstract_state,
+        state_sharding=state_sharding,
+        grad_sharding=grad_sharding,
+        batch_sharding=NamedSharding(mesh, sharding.logical_to_spec(("batch", None), rules)),
+        plan=plan,
+        stacked=stacked,
+        streamed_update=update,
+        offloaded=offloaded,
+        powersgd=powersgd,
+    )

@@ -1,0 +1,186 @@
+"""The train step, in one of two forms behind one signature, chosen by the ZeRO-Cache plan:
+`DeviceStep` (masters and optimizer state on the device: one compiled program) and
+`OffloadedStep` (the optimizer state in host memory or on SSD: a compiled forward/backward,
+then the streamed update of every chunk). Each gives `train_step(state, batch) -> (state,
+metrics)` and `guarded_train_step(state, batch, loss ceiling)`, which drops an anomalous
+step's update (`monitor.skip_if_anomalous`). The grads come from `exp.grads`
+(angel_jax/grads.py) either way.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from angel_jax import sharding
+from angel_jax.config import ConfigError
+from angel_jax.data.objectives import row_width
+from angel_jax.monitor import skip_if_anomalous
+from angel_jax.offload.planner import check_compiled
+from angel_jax.offload.stream import global_norm
+from angel_jax.optim import learning_rate_schedule
+from angel_jax.state_layout import TrainState
+
+
+class _Step:
+    """What both forms share: the abstract batch, ahead-of-time compilation, the ceiling."""
+
+    def __init__(self, exp):
+        self.exp = exp
+        self.replicated = NamedSharding(exp.mesh, P())
+        self._ceiling = {}  # The loss ceiling's device copy, made again only when it changes.
+
+    def abstract_batch(self):
+        t = self.exp.config.train
+        # Inputs and, shifted by one, targets; or the objective's fields side by side.
+        shape = (t.batch_size, row_width(self.exp.config))
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.exp.batch_sharding)
+
+    def compile(self, jitted, *abstract_args):
+        """Compiles ahead of time, from shapes alone: `train_step` is built before the state
+        is allocated, so XLA's GPU autotuner has the device's memory to try kernels in (a
+        state filled to the planner's budget leaves it too little: the H200 capacity runs
+        failed to compile so). The compiled program's memory is checked against the plan,
+        on a CPU too when the budget is the machine's own (its RAM): XLA:CPU's f32 widening of
+        bf16 work is then what it will allocate. A device budget set in config.offload on a
+        CPU stands for another machine's (tests emulate GPU budgets so), which CPU sizes do
+        not tell."""
+        exp = self.exp
+        with sharding.use_rules(exp.mesh, exp.rules):
+            compiled = jitted.lower(*abstract_args).compile()
+        if jax.default_backend() != "cpu" or exp.config.offload.device_gib <= 0:
+            check_compiled(exp.plan, compiled.memory_analysis())
+        return compiled
+
+    def ceiling_array(self, ceiling: float) -> jax.Array:
+        value = np.float32(min(ceiling, np.finfo(np.float32).max))
+        if self._ceiling.get("value") != value:
+            with jax.transfer_guard_host_to_device("allow"):  # One scalar, on purpose.
+                array = jax.make_array_from_callback((), self.replicated, lambda _: value)
+                self._ceiling.update(value=value, array=array)
+        return self._ceiling["array"]
+
+
+class DeviceStep(_Step):
+    """The whole step in one compiled program, the state donated."""
+
+    def update(self, state: TrainState, batch_BT1: jax.Array):
+        """(state, batch) -> (next state, metrics), traced."""
+        exp, comm = self.exp, state.comm
+        if exp.powersgd:
+            metrics, grads, comm = exp.grads.powersgd(state, batch_BT1)
+        else:
+            metrics, grads = exp.grads.loss_and_grads(state.params, batch_BT1)
+        params, opt_state, norm = exp.optimizer.update(
+            grads, state.opt_state, state.params, exp.stacked
+        )
+        metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(state.step))
+        return TrainState(state.step + 1, params, opt_state, None, comm), metrics
+
+    @functools.cached_property
+    def _jitted(self):
+        exp = self.exp
+        return jax.jit(
+            self.update,
+            in_shardings=(exp.state_sharding, exp.batch_sharding),
+            out_shardings=(exp.state_sharding, self.replicated),
+            donate_argnums=0,
+        )
+
+    def lowered(self) -> jax.stages.Lowered:
+        """The step lowered from shapes (not compiled): its StableHLO holds the program as JAX
+        wrote it (dtypes of every dot, before XLA's rewrites)."""
+        with sharding.use_rules(self.exp.mesh, self.exp.rules):
+            return self._jitted.lower(self.exp.abstract_state, self.abstract_batch())
+
+    @functools.cached_property
+    def train_step(self):
+        return self.compile(self._jitted, self.exp.abstract_state, self.abstract_batch())
+
+    @functools.cached_property
+    def guarded_train_step(self):
+        exp = self.exp
+        jitted = jax.jit(
+            skip_if_anomalous(self.update),
+            in_shardings=(exp.state_sharding, exp.batch_sharding, self.replicated),
+            out_shardings=(exp.state_sharding, self.replicated),
+            donate_argnums=0,
+        )
+        ceiling = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+        compiled = self.compile(jitted, exp.abstract_state, self.abstract_batch(), ceiling)
+        return lambda state, batch, ceiling: compiled(state, batch, self.ceiling_array(ceiling))
+
+
+class OffloadedStep(_Step):
+    """A compiled forward/backward (`grad_step`), then the streamed update of the offloaded
+    state (`apply`). The guarded step reads the loss and grad norm on the host (one sync a
+    step) before the update, which it leaves out when they are anomalous."""
+
+    def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
+        """(step + 1, grads, their clipping scale, metrics). The compute copy gives the same
+        grads as the masters would (the model casts them to the compute dtype either way), in
+        the compute dtype."""
+        exp = self.exp
+        metrics, grads = exp.grads.loss_and_grads(compute_params, batch_BT1)
+        norm = global_norm(grads, exp.stacked, exp.config.offload.chunks_in_flight)
+        metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(step))
+        return step + 1, grads, exp.optimizer.clip_scale(norm), metrics
+
+    @functools.cached_property
+    def grad_step(self):
+        """Compiled: (step, compute params, batch) -> (step + 1, grads, clipping scale,
+        metrics)."""
+        exp, replicated = self.exp, self.replicated
+        step = jax.jit(
+            self._grad_step,
+            in_shardings=(replicated, exp.state_sharding.compute_params, exp.batch_sharding),
+            # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
+            out_shardings=(replicated, None, replicated, replicated),
+        )
+        state = exp.abstract_state
+        return self.compile(step, state.step, state.compute_params, self.abstract_batch())
+
+    def apply(self, state: TrainState, step, grads, scale) -> TrainState:
+        """The offloaded state after its streamed update with `grads` (`state` is donated)."""
+        treedef = jax.tree.structure(self.exp.stacked)
+        flat = [
+            treedef.flatten_up_to(t)
+            for t in (grads, state.params, state.opt_state, state.compute_params)
+        ]
+        new = self.exp.streamed_update(flat[0], scale, *flat[1:])
+        return TrainState(step, *(treedef.unflatten(t) for t in new))
+
+    def lowered(self):
+        raise ConfigError("lowered_train_step: the offloaded step is not one program")
+
+    @functools.cached_property
+    def train_step(self):
+        exp, grad_step = self.exp, self.grad_step
+
+        def run(state, batch):
+            with sharding.use_rules(exp.mesh, exp.rules):
+                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                return self.apply(state, step, grads, scale), metrics
+
+        return run
+
+    @functools.cached_property
+    def guarded_train_step(self):
+        exp, grad_step = self.exp, self.grad_step
+
+        def run(state, batch, ceiling):
+            with sharding.use_rules(exp.mesh, exp.rules):
+                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                loss, norm = (
+                    float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
+                )
+                ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
+                metrics["skipped"] = np.int32(not ok)
+                if not ok:
+                    return state.replace(step=step), metrics
+                return self.apply(state, step, grads, scale), metrics
+
+        return run
