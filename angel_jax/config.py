@@ -333,8 +333,19 @@ def choose(setting: str, value, options) -> None:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks settings that do not depend on the devices (mesh checks live in mesh.py)."""
+    """Checks settings that do not depend on the devices (mesh checks live in mesh.py), one
+    section at a time."""
     _validate_family(config)
+    _validate_features(config)
+    _validate_model(config.model)
+    _validate_train(config)
+    _validate_pipeline(config)
+    _validate_io(config)
+    _validate_monitor(config)
+
+
+def _validate_features(config: ml_collections.ConfigDict) -> None:
+    """FP8, PowerSGD, Hugging Face init and offload: the settings that need others."""
     if config.fp8.lm_head and not config.fp8.matmul:
         raise ConfigError(
             "config.fp8.lm_head puts the LM head on FP8 GEMMs beside the layers' projections: "
@@ -365,13 +376,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
         )
-    m, t = config.model, config.train
+
+
+def _validate_model(m: ml_collections.ConfigDict) -> None:
     for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
         if m[name] <= 0:
             raise ConfigError(f"config.model.{name}={m[name]}: must be positive")
-    for name in ("steps", "batch_size", "seq_len", "log_every_steps", "microbatches"):
-        if t[name] <= 0:
-            raise ConfigError(f"config.train.{name}={t[name]}: must be positive")
     if m.head_dim < 0:
         raise ConfigError(f"config.model.head_dim={m.head_dim}: use 0 (d_model // num_heads) or >0")
     if not m.head_dim and m.d_model % m.num_heads:
@@ -397,15 +407,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.model.num_kv_heads={m.num_kv_heads}; GQA needs each KV head shared by the "
             "same number of query heads"
         )
-    if config.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
-    if config.seed < 0:
-        raise ConfigError(f"config.seed={config.seed}: must be >= 0")
-    if t.lr < 0 or t.warmup_steps < 0:
-        raise ConfigError(
-            f"config.train.lr={t.lr}, warmup_steps={t.warmup_steps}: neither may be negative"
-        )
-    choose("train.optimizer", t.optimizer, ("adamw", "adafactor"))
     choose("model.remat", m.remat, REMATS)
     choose("model.attention", m.attention, ("auto", "cudnn", "xla"))
     choose("model.router", m.router, ROUTERS)
@@ -418,6 +419,34 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.model.moe_dispatch_chunks={m.moe_dispatch_chunks}: use 1 or more"
         )
+    choose("model.ring_blocks", m.ring_blocks, RING_KERNELS)
+    choose("model.moe_kernel", m.moe_kernel, MOE_KERNELS)
+    choose("model.dtype", m.dtype, ("bfloat16", "float16", "float32"))
+
+
+def _validate_train(config: ml_collections.ConfigDict) -> None:
+    t = config.train
+    for name in ("steps", "batch_size", "seq_len", "log_every_steps", "microbatches"):
+        if t[name] <= 0:
+            raise ConfigError(f"config.train.{name}={t[name]}: must be positive")
+    if config.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config.zero_stage={config.zero_stage}: must be 0, 1, 2 or 3")
+    if config.seed < 0:
+        raise ConfigError(f"config.seed={config.seed}: must be >= 0")
+    if t.lr < 0 or t.warmup_steps < 0:
+        raise ConfigError(
+            f"config.train.lr={t.lr}, warmup_steps={t.warmup_steps}: neither may be negative"
+        )
+    choose("train.optimizer", t.optimizer, ("adamw", "adafactor"))
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"config.train.batch_size={t.batch_size} is not divisible by "
+            f"config.train.microbatches={t.microbatches}"
+        )
+
+
+def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
+    t = config.train
     pc = config.pipeline
     choose("pipeline.schedule", pc.schedule, SCHEDULES)
     for name in ("microbatches", "virtual_stages"):
@@ -436,14 +465,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     stage_remats = ("auto", *STAGE_REMATS)
     choose("pipeline.remat", pc.remat, stage_remats)
-    choose("model.ring_blocks", m.ring_blocks, RING_KERNELS)
-    choose("model.moe_kernel", m.moe_kernel, MOE_KERNELS)
-    choose("model.dtype", m.dtype, ("bfloat16", "float16", "float32"))
-    if t.batch_size % t.microbatches:
-        raise ConfigError(
-            f"config.train.batch_size={t.batch_size} is not divisible by "
-            f"config.train.microbatches={t.microbatches}"
-        )
+
+
+def _validate_io(config: ml_collections.ConfigDict) -> None:
     if config.data.prefetch < 0:
         raise ConfigError(f"config.data.prefetch={config.data.prefetch}: must be 0 or more")
     if config.checkpoint.every_steps < 0:
@@ -456,7 +480,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"config.checkpoint.keep={config.checkpoint.keep}: must be at least 1; "
             "set config.checkpoint.every_steps=0 to save none"
         )
-    _validate_monitor(config)
 
 
 def _validate_init_from_hf(config: ml_collections.ConfigDict) -> None:
