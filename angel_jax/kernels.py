@@ -3,12 +3,13 @@ Pallas Mosaic GPU kernels or tokamax's), tokamax's flash attention blocks for ri
 or XLA's own ops.
 
 Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/results/grouped_gemm.json),
-forward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels (`ragged_dot_mgpu`
-for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 650-680 in every direction,
-tokamax 0.0.17's 320-330, a dense cuBLAS matmul of the same FLOPs 750-760, `lax.ragged_dot`
-46 (XLA lowers it to dense matmuls over every group on CUDA). tokamax (PyPI `tokamax`,
-Python >= 3.12, jax >= 0.11.1) also has flash attention blocks that return the log-sum-exp
-the ring needs: 0.82-0.94 of cuDNN's TFLOP/s forward + backward (attention_kernels.json).
+forward / forward + backward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels
+(`ragged_dot_mgpu` for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 686 / 645,
+tokamax 0.0.17's 320 / 261, a dense cuBLAS matmul of the same FLOPs 775 / 692,
+`lax.ragged_dot` 49 / 40 (XLA lowers it to dense matmuls over every group on CUDA).
+tokamax (PyPI `tokamax`, Python >= 3.12, jax >= 0.11.1) also has flash attention blocks that
+return the log-sum-exp the ring needs: 0.81-0.92 of cuDNN's TFLOP/s forward + backward
+(attention_kernels.json).
 Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
 (auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | tokamax | xla)
 choose, and `choose` says why auto fell back.
@@ -118,7 +119,7 @@ def _ragged_dot(x_MK, w_GKN, sizes_G, kernel: str):
 
 
 # Tiles of JAX's Hopper grouped GEMMs, the fastest of a sweep at moe_1b's shapes on an H200
-# (grouped_gemm.json): 192 x 128 output tiles for the forward and dX (650-670 TFLOP/s; 128 x
+# (grouped_gemm_tiles.json): 192 x 128 output tiles for the forward and dX (650-670 TFLOP/s; 128 x
 # 128 ran 620-630, 128 x 256 and 256 x 128 under 200), 128 x 128 for dW (675-680).
 _ROWS_TILE = dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 _WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
