@@ -20,10 +20,11 @@ class ConfigError(ValueError):
 
 # Choices of config.model.moe_kernel and ring_blocks (angel_jax/kernels.py).
 MOE_KERNELS = ("auto", "jax_pallas", "tokamax", "xla")
-RING_KERNELS = ("auto", "tokamax", "xla")
+RING_KERNELS = ("auto", "cudnn", "tokamax", "xla")
 # The options of enumerated settings, read by validation and by the modules that run them.
 SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
 ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
+ACTIVATION_TIERS = ("auto", "device", "host")  # offload/planner.py
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -87,6 +88,9 @@ def default_config() -> ml_collections.ConfigDict:
     # LM head + cross entropy over this many slices of the sequence, one at a time (recomputed
     # in the backward pass): the float32 logits of the whole sequence never exist at once.
     c.model.logits_chunks = 1
+    # The dense MLP (with its norm) over this many interleaved slices of the sequence, one at a
+    # time under remat: its (seq_len, ffn_dim) temporaries shrink by as much (long context).
+    c.model.mlp_chunks = 1
     # Mixture of experts in every layer's MLP (angel_jax/layers/moe.py); 0 experts: dense.
     c.model.num_experts = 0
     c.model.experts_per_token = 2
@@ -176,6 +180,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.policy = "none"  # none | optimizer (master params + optimizer state on host) | auto.
     c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
     c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
+    # Each layer's input (what remat keeps for the backward pass): auto (the planner's choice:
+    # the device if the step fits there, else pinned host memory) | device | host.
+    c.offload.activations = "auto"
     c.offload.chunks_in_flight = 2  # Optimizer-state chunks on the device at once in the update.
     # SSD tier (policy auto): update chunks that fit in neither device nor host memory live in
     # this directory on local disk; "" turns the tier off.
@@ -376,6 +383,13 @@ def _validate_features(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
         )
+    choose("offload.activations", config.offload.activations, ACTIVATION_TIERS)
+    if config.offload.activations == "host" and config.model.remat == "none":
+        raise ConfigError(
+            "config.offload.activations=host keeps each layer's input in host memory for remat "
+            "to recompute from, but config.model.remat=none keeps everything on the device: "
+            "set config.model.remat (full for long context) or offload.activations=auto"
+        )
 
 
 def _validate_model(m: ml_collections.ConfigDict) -> None:
@@ -408,6 +422,13 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
             "same number of query heads"
         )
     choose("model.remat", m.remat, REMATS)
+    if m.mlp_chunks < 1:
+        raise ConfigError(f"config.model.mlp_chunks={m.mlp_chunks}: use 1 or more")
+    if m.mlp_chunks > 1 and m.num_experts:
+        raise ConfigError(
+            "config.model.mlp_chunks slices the dense MLP; MoE layers slice their dispatch: "
+            "set config.model.moe_dispatch_chunks instead and mlp_chunks=1"
+        )
     choose("model.attention", m.attention, ("auto", "cudnn", "xla"))
     choose("model.router", m.router, ROUTERS)
     if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
@@ -586,6 +607,8 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
         "config.mesh.pipeline > 1": config.mesh.pipeline > 1,
         "config.model.num_experts > 0": m.num_experts > 0,
         "config.model.logits_chunks > 1": m.logits_chunks > 1,
+        "config.model.mlp_chunks > 1": m.mlp_chunks > 1,
+        "config.offload.activations=host": config.offload.activations == "host",
         "config.fp8.matmul": config.fp8.matmul,
         "config.fp8.lm_head": config.fp8.lm_head,
         "config.fp8.collectives": config.fp8.collectives,

@@ -66,6 +66,9 @@ class Family:
     module: Callable[[Any], nn.Module]
     pieces: Pieces | None = None
     decoder_inputs: bool = False  # `init` takes decoder inputs too (encoder-decoders).
+    # Its layers name their input remat.LAYER_INPUT and take `layer_input_on_host` in their
+    # config: the ZeRO-Cache planner may then keep the layer inputs in host memory.
+    offloads_layer_inputs: bool = False
 
     def example_inputs(self, tokens_BT: jax.Array) -> tuple:
         """The positional inputs `init` needs (param shapes do not depend on their lengths)."""

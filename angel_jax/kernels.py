@@ -1,18 +1,19 @@
 """Library kernels and the choice between them: grouped GEMMs for MoE experts (JAX's own
-Pallas Mosaic GPU kernels or tokamax's), tokamax's flash attention blocks for ring attention,
-or XLA's own ops.
+Pallas Mosaic GPU kernels or tokamax's), flash attention blocks for ring attention (cuDNN's
+or tokamax's), or XLA's own ops.
 
 Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/results/grouped_gemm.json),
 forward / forward + backward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels
 (`ragged_dot_mgpu` for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 686 / 645,
 tokamax 0.0.17's 320 / 261, a dense cuBLAS matmul of the same FLOPs 775 / 692,
 `lax.ragged_dot` 49 / 40 (XLA lowers it to dense matmuls over every group on CUDA).
-tokamax (PyPI `tokamax`, Python >= 3.12, jax >= 0.11.1) also has flash attention blocks that
-return the log-sum-exp the ring needs: 0.81-0.92 of cuDNN's TFLOP/s forward + backward
-(attention_kernels.json).
+Ring attention's blocks need the log-sum-exp out of the forward and a backward that takes the
+ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward's
+`return_residual`, its backward primitive given those residuals); tokamax's Mosaic GPU flash
+kernels too, at 0.81-0.92 of cuDNN's TFLOP/s forward + backward (attention_kernels.json).
 Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
-(auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | tokamax | xla)
-choose, and `choose` says why auto fell back.
+(auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | cudnn | tokamax |
+xla) choose, and `choose` says why auto fell back.
 """
 
 import functools
@@ -62,6 +63,22 @@ def jax_pallas_missing() -> str | None:
     return None
 
 
+@functools.cache
+def cudnn_missing() -> str | None:
+    """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can."""
+    if jax.default_backend() != "gpu":
+        return f"no GPU (backend {jax.default_backend()})"
+    try:
+        fused = _cudnn_attention()
+        fused.check_cudnn_version()
+    except (ImportError, AttributeError, RuntimeError) as e:
+        return f"cuDNN's fused attention is not usable from jax {jax.__version__} ({e})"
+    if not fused.check_compute_capability("8.0"):
+        capability = getattr(jax.devices()[0], "compute_capability", "?")
+        return f"compute capability {capability} (cuDNN's flash attention needs sm80 or later)"
+    return None
+
+
 def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
     """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
     kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes
@@ -70,7 +87,7 @@ def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
     if value not in choices:
         raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(choices)}")
     libraries = [k for k in choices if k not in ("auto", "xla")]
-    checks = {"jax_pallas": jax_pallas_missing, "tokamax": tokamax_missing}
+    checks = {"jax_pallas": jax_pallas_missing, "tokamax": tokamax_missing, "cudnn": cudnn_missing}
     missing = {}
     for kernel in libraries:
         missing[kernel] = checks[kernel]()
@@ -78,7 +95,7 @@ def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
             missing[kernel] = f"config.model.dtype={dtype} (its kernels take bf16 or fp16)"
     if value in missing and missing[value]:
         raise ConfigError(
-            f"config.model.{setting}={value} needs its Mosaic GPU kernels, which cannot run "
+            f"config.model.{setting}={value} needs its GPU kernels, which cannot run "
             f"here: {missing[value]}; use {setting}=auto or xla"
         )
     if value != "auto":
@@ -246,7 +263,57 @@ def tokamax_block_grads(q, k, v, do, out, lse, causal: bool):
     return grads["q"].reshape(q.shape), grads["k"], grads["v"]  # In q's dtype.
 
 
-RING_BLOCKS = {"xla": (xla_block, xla_block_grads), "tokamax": (tokamax_block, tokamax_block_grads)}
+@functools.cache
+def _cudnn_attention():
+    """JAX's cuDNN fused attention module. The backward primitive that takes residuals from
+    outside is not public API: cudnn_missing() turns its absence into a fallback that says so."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    fused_attention_stablehlo._dot_product_attention_bwd_p_wrapper  # noqa: B018 - fail early.
+    return fused_attention_stablehlo
+
+
+def cudnn_block(q, k, v, causal: bool):
+    """`xla_block` through cuDNN's flash forward; its residual is the log-sum-exp, float32,
+    (B, N, T) with a KV head's query heads adjacent."""
+    fused = _cudnn_attention()
+    mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
+    out, lse = fused.dot_product_attention(
+        _flat_heads(q), k, v, scale=q.shape[-1] ** -0.5, mask_type=mask, return_residual=True
+    )
+    return out.reshape(q.shape), lse.reshape(q.shape[0], *q.shape[2:4], q.shape[1])
+
+
+def cudnn_block_grads(q, k, v, do, out, lse, causal: bool):
+    """`xla_block_grads` through cuDNN's flash backward: it forms the probabilities as
+    exp(s - lse) and delta from the output it is given, so the ring's merged output and lse
+    yield this block's share of the full softmax's gradient."""
+    fused = _cudnn_attention()
+    unused = jnp.zeros(0, q.dtype)  # No bias, sequence lengths, offsets or page tables.
+    dq, dk, dv = fused._dot_product_attention_bwd_p_wrapper.bind(
+        _flat_heads(q),
+        k,
+        v,
+        *[unused] * 7,
+        lse.reshape(lse.shape[0], -1, lse.shape[-1]).astype(F32),
+        _flat_heads(out).astype(q.dtype),
+        _flat_heads(do).astype(q.dtype),
+        scale=q.shape[-1] ** -0.5,
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(False, False),  # (has bias, has bias gradient)
+        mask_type=fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK,
+        layout=fused.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )
+    return dq.reshape(q.shape), dk, dv  # In q's dtype.
+
+
+RING_BLOCKS = {
+    "xla": (xla_block, xla_block_grads),
+    "cudnn": (cudnn_block, cudnn_block_grads),
+    "tokamax": (tokamax_block, tokamax_block_grads),
+}
 
 
 def banner(model, ring: bool) -> list[str]:

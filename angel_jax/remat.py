@@ -8,12 +8,17 @@ planner's finer model, checked against the compiled layer in tests/test_pipeline
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 
 # Activations the layers name (checkpoint_name) so remat policies can save or offload them.
 OFFLOADABLE = ("qkv", "attn_out", "mlp_in")
+# The residual stream entering a layer: what every remat policy keeps for the backward pass
+# (one d_model value per token and layer), and what config.offload.activations=host keeps in
+# pinned host memory instead.
+LAYER_INPUT = "layer_input"
 
 
 def flash_attention_saveable(prim, *_, **__) -> bool:
@@ -28,7 +33,8 @@ class Remat:
     policy: Callable | None  # For jax.checkpoint; None: no remat.
     # Saved per layer and token in d_model values, (device, host): about 34 with nothing
     # recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight matmuls'
-    # outputs, 2 for the layer input that remat always keeps.
+    # outputs, 1 for the layer input that remat always keeps. (A policy that recomputes also
+    # holds one layer's recomputed temporaries in its backward: offload/planner.py.)
     saved: tuple[int, int]
     # Pipelines only (None: not offered there). The share of the layer's attention and of its
     # weight matmuls recomputed in a backward; the values kept per token in units of (model
@@ -55,7 +61,7 @@ REMATS = {
         _both(_dots_no_batch, flash_attention_saveable), (11, 0), (0, 0), (2, 2, 2, 2)
     ),
     "dots_no_batch": Remat(_dots_no_batch, (10, 0), (1, 0), (2, 1, 2, 2)),
-    "full": Remat(_policies.nothing_saveable, (2, 0), (1, 1), (1, 0, 0, 0)),
+    "full": Remat(_policies.nothing_saveable, (1, 0), (1, 1), (1, 0, 0, 0)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
     "offload_dots": Remat(
         _policies.save_and_offload_only_these_names(
@@ -64,10 +70,38 @@ REMATS = {
             offload_src="device",
             offload_dst="pinned_host",
         ),
-        (2, 10),
+        (1, 10),
     ),
 }
 # The layer policies a pipeline offers. Each keeps activations only (the residuals of every
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
 # copy of it per slot).
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.widths is not None)
+
+
+_input_to_host = _policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=[LAYER_INPUT],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
+
+
+@functools.cache
+def layer_policy(remat: str, input_on_host: bool) -> Callable | None:
+    """The checkpoint policy of a layer under REMATS[remat]; with `input_on_host`, the layer's
+    input (named LAYER_INPUT) goes to pinned host memory in the forward pass and comes back in
+    the backward, and the device keeps no copy (everything the layer recomputes derives from
+    the named value)."""
+    policy = REMATS[remat].policy
+    if not input_on_host:
+        return policy
+    if policy is None:
+        raise ValueError("a layer input in host memory needs remat (remat='none' keeps all)")
+
+    def offloading(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == LAYER_INPUT:
+            return _input_to_host(prim, *args, **params)
+        return policy(prim, *args, **params)
+
+    return offloading

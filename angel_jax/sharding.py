@@ -84,6 +84,11 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         _check_divisible(
             "config.train.seq_len", t.seq_len, f"config.model.logits_chunks x {names}", chunks
         )
+    if m.mlp_chunks > 1:
+        chunks = ways * m.mlp_chunks
+        _check_divisible(
+            "config.train.seq_len", t.seq_len, f"config.model.mlp_chunks x {names}", chunks
+        )
     if mesh.shape[CONTEXT] > 1:  # Zigzag: 2 chunks per context rank, each split further.
         _check_divisible(
             "config.train.seq_len", t.seq_len, f"2 x {names} (ring attention's zigzag)", 2 * ways

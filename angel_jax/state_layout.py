@@ -58,9 +58,11 @@ def make_state_layout(
     boxed_params: Any,
     optimizer: Optimizer,
     to_stages=None,
+    inputs_offloadable: bool = False,
 ) -> StateLayout:
     """The layout of the state around params of these (logically boxed) shapes; `to_stages`
-    (the pipeline's) reorders the stacked layers stage by stage."""
+    (the pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the
+    planner may keep the layers' inputs in host memory."""
     logical = sharding.logical_axes(boxed_params)
     abstract_params = flax.linen.meta.unbox(boxed_params)
     if to_stages:  # Stored stage by stage.
@@ -95,6 +97,7 @@ def make_state_layout(
         offloaded_masters=sharding.with_shardings(abstract_params, offloaded_master_sharding),
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
+        inputs_offloadable=inputs_offloadable,
     )
     compute_sharding = abstract_compute = ssd = update = None
     if plan.offloads_optimizer:

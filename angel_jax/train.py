@@ -224,9 +224,15 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     shapes_of = family.module(model_config).init
     boxed = jax.eval_shape(shapes_of, jax.random.key(0), *family.example_inputs(tokens))
     to_stages = pipeline.layout.to_stages if pipeline else None
-    layout = make_state_layout(config, mesh, rules, boxed["params"], optimizer, to_stages)
+    # The pipeline's stage planner keeps its own activation model: inputs stay on the device.
+    offloadable = family.offloads_layer_inputs and not pipeline
+    layout = make_state_layout(
+        config, mesh, rules, boxed["params"], optimizer, to_stages, offloadable
+    )
     if layout.plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)
+    if layout.plan.layer_inputs_on_host:
+        model_config = dataclasses.replace(model_config, layer_input_on_host=True)
     return Experiment(
         config=config,
         mesh=mesh,

@@ -1,7 +1,9 @@
 """Attention TFLOP/s, forward and forward + backward: ring attention's block kernels
-(angel_jax/kernels.py, tokamax's Mosaic GPU flash kernels) beside cuDNN's, per shape.
+(angel_jax/kernels.py: cuDNN's fused attention with outside residuals, tokamax's Mosaic GPU
+flash kernels) beside cuDNN's own attention, per shape.
 
     python experiments/attention_kernels.py [--shapes 2048:64,8192:64,32768:64,8192:128]
+        [--blocks cudnn,tokamax]
 
 Shapes are sequence length : head dim; causal, bf16, 32 query heads and 4 KV heads, about 16k
 tokens per call (B = 16384 / T). The ring block is one causal block over the whole sequence,
@@ -20,6 +22,7 @@ full, beside cuDNN's causal or full attention.
 """
 
 import argparse
+import functools
 import json
 import sys
 
@@ -32,21 +35,22 @@ def grouped(x, kv_heads):
     return x.reshape(b, t, kv_heads, n // kv_heads, h)
 
 
-def ring_block_forward(q, k, v):
-    from angel_jax.kernels import tokamax_block
+def ring_block_forward(q, k, v, blocks):
+    from angel_jax.kernels import RING_BLOCKS
 
-    return tokamax_block(grouped(q, k.shape[2]), k, v, True)
+    return RING_BLOCKS[blocks][0](grouped(q, k.shape[2]), k, v, True)
 
 
-def ring_block_forward_backward(q, k, v, do):
-    from angel_jax.kernels import tokamax_block, tokamax_block_grads
+def ring_block_forward_backward(q, k, v, do, blocks):
+    from angel_jax.kernels import RING_BLOCKS
 
+    forward, backward = RING_BLOCKS[blocks]
     q, do = grouped(q, k.shape[2]), grouped(do, k.shape[2])
-    out, lse = tokamax_block(q, k, v, True)
-    return tokamax_block_grads(q, k, v, do, out, lse, True)
+    out, lse = forward(q, k, v, True)
+    return backward(q, k, v, do, out, lse, True)
 
 
-def ring_diagonal_forward_backward(q, k, v, do):
+def ring_diagonal_forward_backward(q, k, v, do, blocks):
     """The ring's diagonal step through its own code: a one-rank ring over the sequence."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -55,7 +59,7 @@ def ring_diagonal_forward_backward(q, k, v, do):
 
     mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     ring = jax.shard_map(
-        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, "tokamax"),
+        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, blocks),
         mesh=mesh,
         in_specs=P(),
         out_specs=P(),
@@ -139,6 +143,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "experiments/results/attention_kernels.json"))
+    p.add_argument("--blocks", default="cudnn,tokamax", help="ring block kernels to time")
     p.add_argument("--vjp-configs", action="store_true", help="sweep tokamax's backward configs")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -163,23 +168,19 @@ def main() -> int:
                 q, k, v, is_causal=True, implementation="cudnn"
             )
         )
-        runs = (
+        runs = [
             ("cudnn", cudnn, (q, k, v), flops),
-            ("ring_block", jax.jit(ring_block_forward), (q, k, v), flops),
             ("cudnn_fwd_bwd", jax.jit(cudnn_forward_backward), (q, k, v, do), 3.5 * flops),
-            (
-                "ring_block_fwd_bwd",
-                jax.jit(ring_block_forward_backward),
-                (q, k, v, do),
-                3.5 * flops,
-            ),
-            (
-                "ring_diagonal_fwd_bwd",
-                jax.jit(ring_diagonal_forward_backward),
-                (q, k, v, do),
-                3.5 * flops,
-            ),
+        ]
+        ring_runs = (
+            ("block", ring_block_forward, (q, k, v), flops),
+            ("block_fwd_bwd", ring_block_forward_backward, (q, k, v, do), 3.5 * flops),
+            ("diagonal_fwd_bwd", ring_diagonal_forward_backward, (q, k, v, do), 3.5 * flops),
         )
+        for blocks in args.blocks.split(","):
+            for name, fn, args_, work in ring_runs:
+                fn = jax.jit(functools.partial(fn, blocks=blocks))
+                runs.append((f"{blocks}_{name}", fn, args_, work))
         for name, fn, args_, work in runs:
             try:
                 row[f"{name}_kernels"] = custom_calls(fn.lower(*args_).compile().as_text())
@@ -188,16 +189,20 @@ def main() -> int:
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(row)
         print(json.dumps(row), flush=True)
-    names = ("cudnn", "ring_block", "cudnn_fwd_bwd", "ring_block_fwd_bwd", "ring_diagonal_fwd_bwd")
-    print(f"\nTFLOP/s\n{'seq_len':>8} {'hdim':>5} {'batch':>6}", *(f"{n:>22}" for n in names))
+    names = ["cudnn", "cudnn_fwd_bwd"]
+    names += [
+        f"{b}_{n}"
+        for b in args.blocks.split(",")
+        for n in ("block", "block_fwd_bwd", "diagonal_fwd_bwd")
+    ]
+    print(f"\nTFLOP/s\n{'seq_len':>8} {'hdim':>5} {'batch':>6}", *(f"{n:>24}" for n in names))
     for r in results:
         cells = [f"{r[f'{n}_tflops']:.1f}" if f"{n}_tflops" in r else "failed" for n in names]
-        ratio = r.get("ring_block_fwd_bwd_tflops", 0) / r.get("cudnn_fwd_bwd_tflops", 1)
-        print(
-            f"{r['seq_len']:>8} {r['head_dim']:>5} {r['batch']:>6}",
-            *(f"{c:>22}" for c in cells),
-            f"  ring/cudnn fwd+bwd {ratio:.3f}",
-        )
+        for b in args.blocks.split(","):  # The ring block's forward + backward against cuDNN's.
+            r[f"{b}_block_fwd_bwd_over_cudnn"] = r.get(f"{b}_block_fwd_bwd_tflops", 0) / r.get(
+                "cudnn_fwd_bwd_tflops", 1
+            )
+        print(f"{r['seq_len']:>8} {r['head_dim']:>5} {r['batch']:>6}", *(f"{c:>24}" for c in cells))
     write_results(args.out, results)
     return 0
 

@@ -1,13 +1,19 @@
 """Longest trainable context: the `llama_1b` shape at growing sequence lengths, one process each.
 
     python experiments/long_context.py [--context 1 | --sequence 1] [--start 32768] [--max 1048576]
+        [--activations auto|device|host] [--mlp-chunks N] [--warmup 1] [--steps 1]
+        [--compile-only]
 
-Each length (doubling from --start) trains 2 steps of one sequence per context group (batch =
-1 on one GPU) with full remat and chunked logits; the table gives tokens/s, MFU (attention
-FLOPs included) and peak memory, and the longest length that trained. --context N splits the
-sequence over N devices with ring attention, --sequence N with Ulysses all-to-all (each device
-then runs cuDNN flash attention over the whole sequence for 1/N of the heads); it stops at the
-first length that fails.
+Each length (doubling from --start) trains `--warmup` then `--steps` timed steps of one
+sequence per context group (batch = 1 on one GPU) with full remat and chunked logits; the
+table gives tokens/s, MFU (attention FLOPs included), peak memory, the compiled step's memory
+(XLA's temporaries on the device and in host memory) and where the plan put the layer inputs
+(`config.offload.activations`), and the longest length that trained. The step is compiled
+before it runs, so `--warmup 0` times a first step that holds no compilation. --compile-only
+builds, plans and compiles each length without running it: whether the step fits, and its
+memory. --context N splits the sequence over N devices with ring attention, --sequence N with
+Ulysses all-to-all (each device then runs cuDNN flash attention over the whole sequence for
+1/N of the heads); it stops at the first length that fails.
 """
 
 import argparse
@@ -24,7 +30,12 @@ def main() -> int:
     p.add_argument("--sequence", type=int, default=1, help="Ulysses all-to-all over N devices")
     p.add_argument("--start", type=int, default=32768)
     p.add_argument("--max", type=int, default=1 << 20)
-    p.add_argument("--ring-blocks", default="auto", choices=("auto", "tokamax", "xla"))
+    p.add_argument("--ring-blocks", default="auto", choices=("auto", "cudnn", "tokamax", "xla"))
+    p.add_argument("--activations", default="auto", choices=("auto", "device", "host"))
+    p.add_argument("--mlp-chunks", type=int, default=1, help="config.model.mlp_chunks")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default=str(ROOT / "experiments/results/long_context.json"))
     args = p.parse_args()
     results, length, devices = [], args.start, args.context * args.sequence
@@ -39,25 +50,40 @@ def main() -> int:
             # About 8k positions per slice of logits (32000 x 8192 x 4 bytes = 1 GiB).
             f"--config.model.logits_chunks={max(1, length // devices // 8192)}",
             f"--config.model.ring_blocks={args.ring_blocks}",
+            f"--config.model.mlp_chunks={args.mlp_chunks}",
+            f"--config.offload.activations={args.activations}",
             "--config.checkpoint.every_steps=0",
         ]
-        result = run_ours(args.config, overrides, steps=1, warmup=1)
+        steps = -1 if args.compile_only else args.steps
+        result = run_ours(args.config, overrides, steps=steps, warmup=args.warmup)
         results.append(
             {**result, "seq_len": length, "context": args.context, "sequence": args.sequence}
         )
+        results[-1].update(activations=args.activations, mlp_chunks=args.mlp_chunks)
         print(json.dumps(results[-1]), flush=True)
-        if "tokens_per_s" not in result:
+        if "error" in result:
+            results[-1]["fits"] = False
             break
         length *= 2
-    print(f"\n{'seq_len':>9} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    head = ("seq_len", "tokens/s", "MFU", "peak GiB", "temp GiB", "host temp", "inputs on")
+    print("\n{:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*head))
     for r in results:
-        if "tokens_per_s" not in r:
+        if "error" in r:
             print(f"{r['seq_len']:>9} failed: {r.get('error')}")
-        else:
-            tps, mfu, peak = r["tokens_per_s"], r["mfu"], r["peak_gib"]
-            print(f"{r['seq_len']:>9} {tps:>10,.0f} {mfu:>6.3f} {peak:>9.1f}")
-    trained = [r["seq_len"] for r in results if "tokens_per_s" in r]
-    print(f"longest trained: {max(trained) if trained else 'none'} tokens on {devices} device(s)")
+            continue
+        tps, mfu = r.get("tokens_per_s"), r.get("mfu")
+        cells = (
+            f"{tps:,.0f}" if tps else "-",
+            f"{mfu:.3f}" if mfu else "-",
+            f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-",
+            f"{r.get('compiled_temp_gib', 0):.1f}",
+            f"{r.get('compiled_host_temp_gib', 0):.1f}",
+            "host" if r.get("layer_inputs_on_host") else "device",
+        )
+        print(f"{r['seq_len']:>9}", "{:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*cells))
+    done = [r["seq_len"] for r in results if "error" not in r]
+    what = "compiled to fit" if args.compile_only else "trained"
+    print(f"longest {what}: {max(done) if done else 'none'} tokens on {devices} device(s)")
     write_results(args.out, results)
     return 0
 

@@ -61,8 +61,20 @@ BASELINES = [
 ]
 
 
+def compiled_memory(program) -> dict:
+    """GiB of a compiled program's memory, as XLA plans it: temporaries and arguments on the
+    device, temporaries in host memory (offloaded residuals)."""
+    memory = program.memory_analysis() if hasattr(program, "memory_analysis") else None
+    if memory is None:
+        return {}
+    fields = ("temp", "argument", "output", "host_temp")
+    return {f"compiled_{f}_gib": getattr(memory, f"{f}_size_in_bytes") / 2**30 for f in fields}
+
+
 def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    """Times `steps` train steps of our trainer after `warmup` steps; prints one JSON line."""
+    """Times `steps` train steps of our trainer after `warmup` steps; prints one JSON line.
+    steps < 0: only builds and compiles the step (the plan checked against the compiled
+    program's memory, as every run is before it allocates) and reports its memory."""
     sys.path.insert(0, str(ROOT))
     import jax
 
@@ -73,7 +85,20 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
 
     config = load_config(config_path, ["--config.data.synthetic=true", *overrides])
     exp = build(config, make_mesh(config.mesh))
+    start = time.perf_counter()
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
+    plan = dict(
+        plan=exp.plan.policy,
+        layer_inputs_on_host=exp.plan.layer_inputs_on_host,
+        planned_device_gib=exp.plan.tier_bytes("device") / 2**30,
+        planned_host_gib=exp.plan.tier_bytes("pinned_host") / 2**30,
+        planned={s: b / 2**30 for s, b in exp.plan.state_bytes.items()},
+        compile_s=time.perf_counter() - start,
+        **compiled_memory(train_step),
+    )
+    if steps < 0:
+        t = config.train
+        return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan)
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     warmup_losses = []  # Same data every run: lets variants be checked against each other.
@@ -109,8 +134,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
         loss=loss,
         warmup_losses=warmup_losses,
-        plan=exp.plan.policy,
-        planned_device_gib=exp.plan.tier_bytes("device") / 2**30,
+        **plan,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,

@@ -27,7 +27,7 @@ jax_pallas_gpu = pytest.mark.skipif(
 
 
 def test_auto_picks_xla_off_a_gpu_and_an_explicit_library_kernel_is_refused():
-    if kernels.tokamax_missing() is None or kernels.jax_pallas_missing() is None:
+    if kernels.jax_pallas_missing() is None or kernels.cudnn_missing() is None:
         pytest.skip("a library kernel runs here: auto picks it (the GPU tests check them)")
     assert kernels.choose("moe_kernel", "auto", "bfloat16") == ("xla", None)
     assert kernels.choose("ring_blocks", "xla", "bfloat16") == ("xla", None)
@@ -36,7 +36,9 @@ def test_auto_picks_xla_off_a_gpu_and_an_explicit_library_kernel_is_refused():
             kernels.choose(setting, kernel, "bfloat16")
     config = default_config()
     config.model.ring_blocks = "jax_pallas"  # Grouped GEMMs only.
-    with pytest.raises(ConfigError, match=r"ring_blocks='jax_pallas': use one of auto, tokamax"):
+    with pytest.raises(
+        ConfigError, match=r"ring_blocks='jax_pallas': use one of auto, cudnn, tokamax"
+    ):
         validate(config)
 
 
@@ -45,8 +47,8 @@ def test_banner_names_the_kernels_a_run_uses():
     assert kernels.banner(model, ring=False) == []  # Dense, no ring: nothing to choose.
     model.num_experts, model.router = 4, "dropless"
     (line,) = kernels.banner(model, ring=True)
-    ring = "tokamax" if kernels.tokamax_missing() is None else "xla"
-    moe = "jax_pallas" if kernels.jax_pallas_missing() is None else ring
+    ring = "cudnn" if kernels.cudnn_missing() is None else "xla"
+    moe = "jax_pallas" if kernels.jax_pallas_missing() is None else "xla"
     assert line == f"kernels: ring attention blocks {ring}, MoE grouped GEMMs {moe}"
 
 
@@ -120,35 +122,45 @@ def _close(a, b, tol):
     np.testing.assert_array_less(np.linalg.norm(a - b) / np.linalg.norm(b), tol)
 
 
-@tokamax_gpu
+RING_GPU_KERNELS = [
+    pytest.param(kernel, marks=pytest.mark.skipif(why is not None, reason=f"{kernel}: {why}"))
+    for kernel, why in (("cudnn", kernels.cudnn_missing()), ("tokamax", kernels.tokamax_missing()))
+]
+# What each library's kernels are called in the compiled HLO.
+RING_CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "tokamax": "mosaic_gpu"}
+
+
+@pytest.mark.parametrize("kernel", RING_GPU_KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_tokamax_blocks_equal_xla_blocks(causal):
+def test_ring_blocks_equal_xla_blocks(kernel, causal):
     """Forward (output and lse) of one block, and the grads of a block that is one of two over
     the same queries, taken from the merged output and lse as the ring passes them."""
+    block, block_grads = kernels.RING_BLOCKS[kernel]
     q, k, v, do = _attention_inputs()
     _, k2, v2, _ = _attention_inputs(seed=1)
-    ours, ref = kernels.tokamax_block(q, k, v, causal), kernels.xla_block(q, k, v, causal)
+    ours, ref = block(q, k, v, causal), kernels.xla_block(q, k, v, causal)
     for a, b in zip(ours, ref, strict=True):
         _close(a, b, 1e-2)
     from angel_jax.parallel.attention import _merge
 
     out, lse = _merge(*kernels.xla_block(q, k, v, causal), *kernels.xla_block(q, k2, v2, False))
-    ours = kernels.tokamax_block_grads(q, k, v, do, out, lse, causal)
+    ours = block_grads(q, k, v, do, out, lse, causal)
     ref = kernels.xla_block_grads(q, k, v, do, out, lse, causal)
     for a, b in zip(ours, ref, strict=True):
         _close(a, b, 2e-2)
 
 
-@tokamax_gpu
-def test_tokamax_ring_on_one_device_equals_cudnn_attention():
-    """The ring's diagonal step (three tokamax blocks) and its backward, against cuDNN."""
+@pytest.mark.parametrize("kernel", RING_GPU_KERNELS)
+def test_ring_on_one_device_equals_cudnn_attention(kernel):
+    """The ring's diagonal step (three library blocks) and its backward, against cuDNN's own
+    attention; the compiled gradient holds the library's kernels."""
     from angel_jax.parallel.attention import _ring_attention_local
 
     q, k, v, do = _attention_inputs(t=1024)
     b, t, kv, g, h = q.shape
     mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     ring = jax.shard_map(
-        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, "tokamax"),
+        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, kernel),
         mesh=mesh,
         in_specs=P(),
         out_specs=P(),
@@ -164,7 +176,8 @@ def test_tokamax_ring_on_one_device_equals_cudnn_attention():
         _close(a, b_, 2e-2)
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(ring(*a).astype(jnp.float32)), (0, 1, 2)))
     text = hlo.lower(q, k, v).compile().as_text()
-    assert "mosaic_gpu" in text, "the ring's blocks did not compile to Mosaic GPU kernels"
+    assert RING_CUSTOM_CALLS[kernel] in text, f"the ring's blocks did not compile to {kernel}'s"
+    assert "__cudnn$fmhaSoftmaxBackward" in text or kernel != "cudnn", "no cuDNN backward"
 
 
 def _grouped_gemm_errors(kernel, first=0):

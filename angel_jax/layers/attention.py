@@ -78,7 +78,7 @@ class Attention(nn.Module):
     rope_theta: float = 10000.0
     implementation: str | None = None  # jax.nn.dot_product_attention's: None (XLA) or "cudnn".
     dtype: jnp.dtype = jnp.bfloat16
-    ring_blocks: str = "xla"  # Ring attention's block kernels (context axis): xla | tokamax.
+    ring_blocks: str = "xla"  # Ring attention's block kernels (context axis): xla|cudnn|tokamax.
     fp8: bool = False  # Projections through FP8 (Linear.fp8).
     fp8_gather: bool = False  # ZeRO-3 all-gathers of their kernels in FP8 (Linear.fp8_gather).
     # The classic families (GPT-2, BERT, T5) turn these off or on.

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import fp8
 from angel_jax.config import ConfigError, head_dim
@@ -15,7 +16,7 @@ from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, Swi
 from angel_jax.layers.attention import cached_attention
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
-from angel_jax.remat import REMATS
+from angel_jax.remat import LAYER_INPUT, layer_policy
 from angel_jax.sharding import constrain
 
 
@@ -48,7 +49,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     remat: str = "none"
     attention: str | None = None  # Resolved implementation: None (XLA) or "cudnn".
-    ring_blocks: str = "xla"  # Ring attention's block kernels: "xla" or "tokamax".
+    ring_blocks: str = "xla"  # Ring attention's block kernels: "xla", "cudnn" or "tokamax".
     logits_chunks: int = 1  # LM head + loss over this many sequence slices, one at a time.
     num_experts: int = 0  # Mixture of experts in the MLPs; 0: dense.
     experts_per_token: int = 2
@@ -59,6 +60,12 @@ class LlamaConfig:
     moe_kernel: str = "xla"  # dropless's grouped matmuls: "xla", "jax_pallas" or "tokamax".
     shared_experts: int = 0
     scan_layers: bool = True
+    # The MLP (with its norm and residual add) over this many interleaved slices of the
+    # sequence, one at a time under remat: its (T, ffn_dim) temporaries shrink by as much.
+    mlp_chunks: int = 1
+    # ZeRO-Cache activation tier: each layer's input kept in pinned host memory for the
+    # backward pass (config.offload.activations, decided by the planner).
+    layer_input_on_host: bool = False
     # ZeRO-Cache layer streaming: the layers' weights live in host memory and each scan step
     # copies its layer's to the device (and, in the backward pass, its grads back).
     stream_params: bool = False
@@ -95,6 +102,7 @@ class LlamaConfig:
             ring_blocks=choose("ring_blocks", model.ring_blocks, model.dtype)[0],
             moe_kernel=choose("moe_kernel", model.moe_kernel, model.dtype)[0],
             scan_layers=model.scan_layers,
+            mlp_chunks=model.mlp_chunks,
         )
 
     def matmul_params(self) -> int:
@@ -126,6 +134,9 @@ class DecoderLayer(nn.Module):
         """`mask_BTT` and `positions_BT` (packed documents, `segment_mask` and
         `segment_positions` of layers/position.py): None for whole rows."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        # Everything below derives from the named input, so a policy that offloads it leaves
+        # no device copy behind.
+        h_BTD = checkpoint_name(h_BTD, LAYER_INPUT)
         # The residual stream lives in norm regions ("norm_length": split over tensor under
         # sequence parallel); attention and MLP see the full sequence ("length").
         x = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD)
@@ -143,13 +154,27 @@ class DecoderLayer(nn.Module):
             rope_scaling=cfg.rope_scaling,
             name="attn",
         )(x, mask_BTS=mask_BTT, positions=positions_BT)
-        residual = ("batch", "norm_length", "embed")
-        h_BTD = constrain(h_BTD + attn, residual)
+        h_BTD = constrain(h_BTD + attn, RESIDUAL)
+        if not cfg.num_experts:
+            if cfg.mlp_chunks == 1:
+                return _mlp_half(self, h_BTD), {}
+            # Interleaved slices (position t in slice t % chunks): a split length stays split.
+            b, t, d = h_BTD.shape
+            body = lambda module, carry, h: (carry, _mlp_half(module, h))
+            if cfg.remat != "none":  # Each slice's temporaries live only in its own backward.
+                body = nn.remat(body, policy=layer_policy(cfg.remat, False))
+            chunks = nn.scan(
+                body,
+                variable_broadcast="params",
+                split_rngs={"params": False},
+                in_axes=2,
+                out_axes=2,
+                length=cfg.mlp_chunks,
+            )
+            _, h_BTCD = chunks(self, None, h_BTD.reshape(b, t // cfg.mlp_chunks, cfg.mlp_chunks, d))
+            return constrain(h_BTCD.reshape(b, t, d), RESIDUAL), {}
         x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
-        if not cfg.num_experts:
-            mlp = SwiGLU(cfg.ffn_dim, dtype, cfg.fp8_matmul, cfg.fp8_gather, name="mlp")
-            return constrain(h_BTD + mlp(x), residual), {}
         y, stats = MoE(
             cfg.num_experts,
             cfg.experts_per_token,
@@ -170,7 +195,19 @@ class DecoderLayer(nn.Module):
                 name="shared",
             )
             y = y + shared(x)
-        return constrain(h_BTD + y, residual), stats
+        return constrain(h_BTD + y, RESIDUAL), stats
+
+
+RESIDUAL = ("batch", "norm_length", "embed")
+
+
+def _mlp_half(layer: DecoderLayer, h_BTD: jax.Array) -> jax.Array:
+    """h + MLP(norm(h)): the dense layer's second half, its modules named in `layer`."""
+    cfg, dtype = layer.cfg, jnp.dtype(layer.cfg.dtype)
+    x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm", parent=layer)(h_BTD)
+    x = constrain(x, ("batch", "length", "embed"))
+    mlp = SwiGLU(cfg.ffn_dim, dtype, cfg.fp8_matmul, cfg.fp8_gather, name="mlp", parent=layer)
+    return constrain(h_BTD + mlp(x), RESIDUAL)
 
 
 class Llama(nn.Module):
@@ -201,7 +238,9 @@ class Llama(nn.Module):
             layer = nn.map_variables(layer, "params", trans_in_fn=_to_device, init=True)
         if cfg.remat != "none":
             layer = nn.remat(
-                layer, policy=REMATS[cfg.remat].policy, prevent_cse=not cfg.scan_layers
+                layer,
+                policy=layer_policy(cfg.remat, cfg.layer_input_on_host),
+                prevent_cse=not cfg.scan_layers,
             )
         if cfg.scan_layers:
             stack = nn.scan(
@@ -276,7 +315,7 @@ def decoder_layer(cfg: LlamaConfig, layer_params, h_BTD: jax.Array) -> jax.Array
         return DecoderLayer(cfg).apply({"params": layer_params}, h_BTD)[0]
 
     if cfg.remat != "none":
-        apply = jax.checkpoint(apply, policy=REMATS[cfg.remat].policy)
+        apply = jax.checkpoint(apply, policy=layer_policy(cfg.remat, cfg.layer_input_on_host))
     return apply(layer_params, h_BTD)
 
 
@@ -328,4 +367,5 @@ FAMILY = Family(
         layer=decoder_layer,
         decode_layer=decode_layer,
     ),
+    offloads_layer_inputs=True,
 )

@@ -5,8 +5,11 @@ States, per device (after ZeRO and tensor sharding):
   master params   (float32)
   grads           (float32)
   optimizer state (AdamW: mu + nu, float32)
-  activations     (an estimate from the remat policy; on the device, or offloaded to pinned
-                   host memory by the `offload_dots` remat policy)
+  layer inputs    (the residual stream entering each layer: what every remat policy keeps
+                   for the backward pass, exact; config.offload.activations: on the device,
+                   in pinned host memory, or auto: the device if the plan fits, else the host)
+  activations     (the rest, an estimate from the remat policy; on the device, or offloaded
+                   to pinned host memory by the `offload_dots` remat policy)
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
@@ -35,7 +38,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from angel_jax.config import ConfigError, choose
+from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
 from angel_jax.remat import REMATS
 
@@ -43,6 +46,9 @@ DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 POLICIES = ("none", "optimizer", "params", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
 USABLE = 0.95
+ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
+# A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
+WORKING_WIDTHS = (8, 6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,10 @@ class Plan:
     def streams_params(self) -> bool:
         return self.policy == "params"
 
+    @property
+    def layer_inputs_on_host(self) -> bool:
+        return self.placement.get("layer inputs") == HOST
+
     def tier_bytes(self, tier: str) -> int:
         """Bytes per device in `tier` (the streamed update's chunks count as states)."""
         return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
@@ -84,7 +94,7 @@ class Plan:
         states = sum(
             b
             for s, b in self.state_bytes.items()
-            if "activations" not in s and self.placement[s] != SSD
+            if s not in ACTIVATIONS and self.placement[s] != SSD
         )
         return states * self.num_devices / self.num_params
 
@@ -166,9 +176,11 @@ def _local_bytes(abstract_tree, dtype=None) -> int:
     return total
 
 
-def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
-    """Rough per-device bytes of saved activations (device, host); the device part includes
-    the float32 logits and their gradient (one of `logits_chunks` slices at a time)."""
+def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
+    """Per-device bytes of saved activations: "layer inputs" (exact: one compute-dtype value
+    per d_model channel, token and layer), "activations" (the rest the remat policy keeps on
+    the device, an estimate, with the float32 logits and their gradient, one of
+    `logits_chunks` slices at a time) and "offloaded activations" (what it keeps on the host)."""
     m, t = config.model, config.train
     # Batch splits over data and expert, positions over context and sequence.
     splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
@@ -178,7 +190,19 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]
     )
     on_device, on_host = REMATS[m.remat].saved
     logits = 2 * tokens * m.vocab_size * 4 / mesh.shape[TENSOR] / m.logits_chunks
-    return int(on_device * unit + logits), int(on_host * unit)
+    working = 0
+    if m.remat != "none":
+        # One layer's backward holds what it recomputes: about 8 d_model-wide and 6 ffn-wide
+        # values per token (with their grads), the latter per MLP slice. Fitted to llama_1b's
+        # compiled step at 524k tokens on the H200 (97.1 GiB of temporaries, full remat).
+        ffn = m.ffn_dim if not m.num_experts else (m.moe_ffn_dim or m.ffn_dim)
+        width = WORKING_WIDTHS[0] * m.d_model + WORKING_WIDTHS[1] * ffn / m.mlp_chunks
+        working = tokens * width * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
+    return {
+        "layer inputs": int(unit),
+        "activations": int((on_device - 1) * unit + working + logits),
+        "offloaded activations": int(on_host * unit),
+    }
 
 
 def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
@@ -221,19 +245,29 @@ def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
 
 
 def make_plan(
-    config: ml_collections.ConfigDict, mesh, *, params, grads, offloaded_masters, opt, stacked
+    config: ml_collections.ConfigDict,
+    mesh,
+    *,
+    params,
+    grads,
+    offloaded_masters,
+    opt,
+    stacked,
+    inputs_offloadable: bool = True,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
     `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
-    (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked.
+    (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
+    `inputs_offloadable`: the model's layers can keep their inputs in host memory.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
+    choose("offload.activations", config.offload.activations, ACTIVATION_TIERS)
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    on_device, on_host = activation_bytes(config, mesh)
+    activations = activation_bytes(config, mesh)
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
 
@@ -243,8 +277,7 @@ def make_plan(
                 "compute params": _local_bytes(params),
                 "grads": _local_bytes(grads) * (2 if accumulating else 1),
                 "optimizer state": _local_bytes(opt),
-                "activations": on_device,
-                "offloaded activations": on_host,
+                **activations,
             }
         # Grads come in the compute dtype; accumulating adds a float32 sum.
         grad_bytes = (compute_dtype.itemsize + (4 if accumulating else 0)) / 4
@@ -260,8 +293,7 @@ def make_plan(
             "master params": _local_bytes(offloaded_masters),
             "optimizer state": _local_bytes(opt),
             "update chunks": chunks,
-            "activations": on_device,
-            "offloaded activations": on_host,
+            **activations,
         }
         if name == "params":
             # Layer weights and grads (in the params' layout: grads return the way weights
@@ -286,9 +318,10 @@ def make_plan(
     }
     host_states["params"] = host_states["optimizer"] + ("streamed params", "streamed grads")
 
-    def placed(name: str) -> Plan:
+    def placed(name: str, inputs: str) -> Plan:
         state_bytes = sizes(name)
-        placement = {s: HOST if s in host_states[name] else DEVICE for s in state_bytes}
+        on_host = host_states[name] + (("layer inputs",) if inputs == HOST else ())
+        placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(name, placement, state_bytes, budget, num_params, mesh.size)
         if policy != "auto" or name == "none":
             return plan
@@ -324,6 +357,17 @@ def make_plan(
         return dataclasses.replace(plan, on_ssd=frozenset(on_ssd))
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
+    # The layer inputs' tiers to try, device first: their copies cost less than any other
+    # state's offload (one (tokens, d_model) array per layer each way, overlapped with compute).
+    inputs = {"device": (DEVICE,), "host": (HOST,), "auto": (DEVICE, HOST)}
+    inputs = inputs[config.offload.activations]
+    if config.model.remat == "none" or not inputs_offloadable:
+        if config.offload.activations == "host":
+            raise ConfigError(
+                "config.offload.activations=host needs remat and layers that name their input "
+                "(a Llama model outside a pipeline): use offload.activations=auto or device"
+            )
+        inputs = (DEVICE,)
     if policy in ("params", "auto") and config.model.remat == "none":
         if policy == "params":
             raise ConfigError(
@@ -331,7 +375,7 @@ def make_plan(
                 "config.model.remat (e.g. full or dots_no_batch), not none"
             )
         names = names[:2]
-    candidates = [placed(n) for n in names]
+    candidates = [placed(n, tier) for n in names for tier in inputs]
     for plan in candidates:
         if plan.fits():
             return plan
@@ -346,6 +390,8 @@ def make_plan(
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
     fixes += ["more remat (config.model.remat)"]
+    if HOST not in inputs and inputs_offloadable and config.model.remat != "none":
+        fixes += ["config.offload.activations=auto or host"]
     if policy != "auto":
         fixes += ["config.offload.policy=auto"]
     if SSD not in budget:
@@ -363,13 +409,17 @@ def check_compiled(plan: Plan, memory) -> None:
     planner's activation estimate."""
     if memory is None:  # A backend without the analysis: the planner's estimate stands.
         return
-    estimate = (
-        plan.state_bytes.get("activations", 0) if plan.placement.get("activations") == DEVICE else 0
+    estimate = sum(  # The device's activations, which the compiled temporaries hold.
+        plan.state_bytes.get(s, 0)
+        for s in ("activations", "layer inputs")
+        if plan.placement.get(s) == DEVICE
     )
     need = plan.tier_bytes(DEVICE) - estimate + memory.temp_size_in_bytes
     usable = USABLE * plan.budget[DEVICE]
     if need > usable:
         fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
+        if not plan.layer_inputs_on_host:
+            fixes += ["config.offload.activations=host (with remat)"]
         fixes += ["more remat (config.model.remat)", "a smaller batch or model", "more devices"]
         raise ConfigError(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "

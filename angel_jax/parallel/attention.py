@@ -229,7 +229,7 @@ def sequence_parallel_attention(
     length entry names `context` and/or `sequence` (in that order). With `context`, the
     sequence must be in `zigzag_order` when causal. `implementation` picks the local attention
     (`jax.nn.dot_product_attention`'s) without a ring, `ring_blocks` the ring's block kernels
-    ("xla" or "tokamax", angel_jax/kernels.py). Returns (B, T, N, H) like q."""
+    ("xla", "cudnn" or "tokamax", angel_jax/kernels.py). Returns (B, T, N, H) like q."""
     length_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
     ring = CONTEXT in length_axes and mesh.shape[CONTEXT] > 1
     ulysses = SEQUENCE in length_axes and mesh.shape[SEQUENCE] > 1
