@@ -70,7 +70,7 @@ REMATS = {
             offload_src="device",
             offload_dst="pinned_host",
         ),
-        (1, 10),
+        (1, 10),  # The host part a rough width: the planner counts the named outputs exactly.
     ),
 }
 # The layer policies a pipeline offers. Each keeps activations only (the residuals of every

@@ -520,7 +520,7 @@ def test_offloaded_activations_live_in_host_memory_on_gpu(remat, activations, ho
             model__dtype="bfloat16",
             model__d_model=512,
             model__ffn_dim=1024,
-            model__num_layers=4,
+            model__num_layers=16,
             offload__activations=activations,
             train__batch_size=2,
             train__seq_len=8192,
@@ -532,9 +532,12 @@ def test_offloaded_activations_live_in_host_memory_on_gpu(remat, activations, ho
     _, on_device = compiled("full" if remat == "full" else "dots_no_batch", "device")
     assert plan.placement[host_state] == HOST
     host, memory = plan.state_bytes[host_state], program.memory_analysis()
-    assert 0.9 * host <= memory.host_temp_size_in_bytes <= 1.5 * host
+    # The plan's bytes are exact: 16 layers x 16384 tokens x 512 (layer inputs) or x 3584
+    # (q, k, v, attention output, gate, up) x 2 bytes.
+    assert host == pytest.approx(memory.host_temp_size_in_bytes, rel=0.02)
+    # Two layers' worth stay on the device: the copies in flight each way.
     saved = on_device.memory_analysis().temp_size_in_bytes - memory.temp_size_in_bytes
-    assert saved >= 0.7 * host, (saved, host)
+    assert saved >= 0.5 * host, (saved, host)
     assert "S(5)" in program.as_text()  # Host memory space in the compiled HLO's layouts.
 
 

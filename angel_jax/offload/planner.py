@@ -38,7 +38,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose
+from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
 from angel_jax.remat import REMATS
 
@@ -189,6 +189,11 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
     )
     on_device, on_host = REMATS[m.remat].saved
+    if on_host:  # offload_dots: exactly the named matmul outputs (remat.OFFLOADABLE).
+        hd = head_dim(m)
+        # q and the attention output, k and v, gate and up: values per token and layer.
+        width = 2 * m.num_heads * hd + 2 * m.num_kv_heads * hd + 2 * m.ffn_dim
+        on_host = width / m.d_model
     logits = 2 * tokens * m.vocab_size * 4 / mesh.shape[TENSOR] / m.logits_chunks
     working = 0
     if m.remat != "none":
