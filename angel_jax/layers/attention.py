@@ -96,11 +96,16 @@ class Attention(nn.Module):
         mask_BTS: jax.Array | None = None,
         bias_NTS: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: tuple | None = None,
+    ):
         """Self-attention over x, or cross-attention to `kv_BSD`. `mask_BTS` (bool, True:
         may attend; e.g. same packed document), `bias_NTS` (added to the scores, e.g. T5's
         relative positions; (1 or B, N, T, S)) and `positions` ((T,) or (B, T), for RoPE) need
-        the whole sequence on each device (no context or sequence split)."""
+        the whole sequence on each device (no context or sequence split).
+
+        Decoding: with `cache` = (k (B, S, K, H), v, start) the T new tokens are at positions
+        start.., their keys and values are written into the cache, and they attend causally
+        over it; returns (out, (k, v)), the caches updated."""
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         linear = functools.partial(
             Linear,
@@ -115,6 +120,10 @@ class Attention(nn.Module):
         k_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="key")(kv_BSD)
         v_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="value")(kv_BSD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
+        out = linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), name="out")
+        if cache is not None:
+            o_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, *cache)
+            return out(o_BTNH), cache
         length = x_BTD.shape[1]
         mesh, split = sharding.active_mesh(), sharding.rule("length")
         extras = (mask_BTS, bias_NTS, positions)
@@ -168,33 +177,25 @@ class Attention(nn.Module):
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )
-        out = linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), name="out")
         return out(o_BTNH)
 
-
-def cached_attention(p, x_BTD, k_BSKH, v_BSKH, start, num_heads: int, dtype, rope=None, bias=False):
-    """Causal attention of the T new tokens (positions start..start+T-1) over a KV cache of
-    the full length, after writing their keys and values into it: generation's form of
-    `Attention` (its params `p`), in `dtype`. `rope`: (theta, RopeScaling) to rotate queries
-    and keys, or None (positions already in the states). Returns (out, k cache, v cache)."""
-    n, (k, h) = num_heads, k_BSKH.shape[2:]
-    project = lambda features, axes, name, x: Linear(features, axes, dtype, use_bias=bias).apply(
-        {"params": p[name]}, x
-    )
-    positions = start + jnp.arange(x_BTD.shape[1])
-    rotate = (lambda x: x) if rope is None else (lambda x: apply_rope(x, positions, *rope))
-    q_BTNH = rotate(project((n, h), ("embed", "heads", "head_dim"), "query", x_BTD))
-    new_k = rotate(project((k, h), ("embed", "kv_heads", "head_dim"), "key", x_BTD))
-    new_v = project((k, h), ("embed", "kv_heads", "head_dim"), "value", x_BTD)
-    k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
-    v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
-    b, t = x_BTD.shape[:2]
-    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(h)
-    visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
-    scores = jnp.where(visible_TS, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    o_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH).reshape(b, t, n, h)
-    out = project((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), "out", o_BTNH)
-    return out, k_BSKH, v_BSKH
+    def _attend_cached(self, q_BTNH, new_k, new_v, k_BSKH, v_BSKH, start):
+        """The new tokens' attention over the cache, after writing their keys and values
+        into it at `start`: (o (B, T, N, H), (k, v))."""
+        n, (k, h) = self.num_heads, k_BSKH.shape[2:]
+        positions = start + jnp.arange(q_BTNH.shape[1])
+        if self.rope:
+            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta, self.rope_scaling)
+            new_k = apply_rope(new_k, positions, self.rope_theta, self.rope_scaling)
+        k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
+        v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
+        b, t = q_BTNH.shape[:2]
+        q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
+        scores = jnp.einsum(
+            "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+        )
+        scores = scores * (h**-0.5 if self.scale is None else self.scale)
+        visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
+        probs = jax.nn.softmax(jnp.where(visible_TS, scores, -jnp.inf), axis=-1)
+        o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs.astype(self.dtype), v_BSKH)
+        return o_BTKGH.reshape(b, t, n, h), (k_BSKH, v_BSKH)

@@ -10,7 +10,6 @@ from flax import linen as nn
 
 from angel_jax.family import Family, Pieces
 from angel_jax.layers import Attention, Embed
-from angel_jax.layers.attention import cached_attention
 from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.norm import LayerNorm
 from angel_jax.layers.position import segment_mask, segment_positions
@@ -22,7 +21,8 @@ class GPT2Block(nn.Module):
     cfg: ClassicConfig
 
     @nn.compact
-    def __call__(self, h_BTD: jax.Array, mask_BTT: jax.Array | None):
+    def __call__(self, h_BTD: jax.Array, mask_BTT: jax.Array | None, cache=None):
+        """(h, None); decoding with `cache` = (k, v, start) (Attention's): (h, (k, v))."""
         cfg, dtype = self.cfg, as_dtype(self.cfg)
         x = LayerNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
@@ -36,11 +36,14 @@ class GPT2Block(nn.Module):
             use_bias=True,
             name="attn",
         )
-        h_BTD = constrain(h_BTD + attn(x, mask_BTS=mask_BTT), RESIDUAL)
+        attended = attn(x, mask_BTS=mask_BTT, cache=cache)
+        if cache is not None:
+            attended, cache = attended
+        h_BTD = constrain(h_BTD + attended, RESIDUAL)
         x = LayerNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
         mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype, name="mlp")
-        return constrain(h_BTD + mlp(x), RESIDUAL), None
+        return constrain(h_BTD + mlp(x), RESIDUAL), cache
 
 
 class GPT2(nn.Module):
@@ -99,16 +102,12 @@ def lm_head(cfg: ClassicConfig, params):
 
 
 def decode_layer(cfg: ClassicConfig, p, h_BTD, k_BSKH, v_BSKH, start):
-    """One `GPT2Block` over new tokens at positions start.., with its KV cache."""
-    dtype = as_dtype(cfg)
-    norm = lambda name, x: LayerNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
-    x = norm("attn_norm", h_BTD)
-    attn, k_BSKH, v_BSKH = cached_attention(
-        p["attn"], x, k_BSKH, v_BSKH, start, cfg.num_heads, dtype, bias=True
+    """`GPT2Block` in its decoding mode: the new tokens at positions start.., with its KV cache
+    -> (h, k, v)."""
+    h_BTD, (k_BSKH, v_BSKH) = GPT2Block(cfg).apply(
+        {"params": p}, h_BTD, None, cache=(k_BSKH, v_BSKH, start)
     )
-    h_BTD = h_BTD + attn
-    mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype)
-    return h_BTD + mlp.apply({"params": p["mlp"]}, norm("mlp_norm", h_BTD)), k_BSKH, v_BSKH
+    return h_BTD, k_BSKH, v_BSKH
 
 
 FAMILY = Family(

@@ -13,7 +13,6 @@ from angel_jax.config import ConfigError, head_dim
 from angel_jax.family import Family, Pieces
 from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
-from angel_jax.layers.attention import cached_attention
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.remat import LAYER_INPUT, layer_policy
@@ -130,9 +129,11 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, h_BTD: jax.Array, mask_BTT=None, positions_BT=None):
-        """`mask_BTT` and `positions_BT` (packed documents, `segment_mask` and
-        `segment_positions` of layers/position.py): None for whole rows."""
+    def __call__(self, h_BTD: jax.Array, mask_BTT=None, positions_BT=None, cache=None):
+        """(h, MoE stats). `mask_BTT` and `positions_BT` (packed documents, `segment_mask`
+        and `segment_positions` of layers/position.py): None for whole rows. Decoding: with
+        `cache` = (k, v, start) (Attention's), the new tokens at positions start.. attend over
+        the cache; returns (h, (k, v))."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         # Everything below derives from the named input, so a policy that offloads it leaves
         # no device copy behind.
@@ -153,11 +154,13 @@ class DecoderLayer(nn.Module):
             cfg.fp8_gather,
             rope_scaling=cfg.rope_scaling,
             name="attn",
-        )(x, mask_BTS=mask_BTT, positions=positions_BT)
+        )(x, mask_BTS=mask_BTT, positions=positions_BT, cache=cache)
+        if cache is not None:
+            attn, cache = attn
         h_BTD = constrain(h_BTD + attn, RESIDUAL)
         if not cfg.num_experts:
-            if cfg.mlp_chunks == 1:
-                return _mlp_half(self, h_BTD), {}
+            if cfg.mlp_chunks == 1 or cache is not None:  # Decoding: a few tokens.
+                return _mlp_half(self, h_BTD), {} if cache is None else cache
             # Interleaved slices (position t in slice t % chunks): a split length stays split.
             b, t, d = h_BTD.shape
             body = lambda module, carry, h: (carry, _mlp_half(module, h))
@@ -175,6 +178,11 @@ class DecoderLayer(nn.Module):
             return constrain(h_BTCD.reshape(b, t, d), RESIDUAL), {}
         x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
         x = constrain(x, ("batch", "length", "embed"))
+        # Decoding moves a few rows: one dispatch chunk, and XLA's grouped matmul (the
+        # library kernels are measured at training's row counts only).
+        chunks, kernel = (
+            (1, "xla") if cache is not None else (cfg.moe_dispatch_chunks, cfg.moe_kernel)
+        )
         y, stats = MoE(
             cfg.num_experts,
             cfg.experts_per_token,
@@ -182,8 +190,8 @@ class DecoderLayer(nn.Module):
             cfg.router,
             cfg.capacity_factor,
             dtype,
-            cfg.moe_dispatch_chunks,
-            cfg.moe_kernel,
+            chunks,
+            kernel,
             name="moe",
         )(x)
         if cfg.shared_experts:
@@ -195,7 +203,7 @@ class DecoderLayer(nn.Module):
                 name="shared",
             )
             y = y + shared(x)
-        return constrain(h_BTD + y, RESIDUAL), stats
+        return constrain(h_BTD + y, RESIDUAL), stats if cache is None else cache
 
 
 RESIDUAL = ("batch", "norm_length", "embed")
@@ -327,31 +335,12 @@ def final_norm(cfg: LlamaConfig, params, h_BTD: jax.Array) -> jax.Array:
 
 
 def decode_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
-    """One `DecoderLayer` over new tokens at positions start.., with its KV cache."""
-    dtype = jnp.dtype(cfg.dtype)
-    norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype).apply({"params": p[name]}, x)
-    rope = (cfg.rope_theta, cfg.rope_scaling)
-    x = norm("attn_norm", h_BTD)
-    attn, k_BSKH, v_BSKH = cached_attention(
-        p["attn"], x, k_BSKH, v_BSKH, start, cfg.num_heads, dtype, rope
+    """`DecoderLayer` in its decoding mode: the new tokens at positions start.., with its KV
+    cache -> (h, k, v)."""
+    h_BTD, (k_BSKH, v_BSKH) = DecoderLayer(cfg).apply(
+        {"params": p}, h_BTD, cache=(k_BSKH, v_BSKH, start)
     )
-    h_BTD = h_BTD + attn
-    x = norm("mlp_norm", h_BTD)
-    if not cfg.num_experts:
-        return h_BTD + SwiGLU(cfg.ffn_dim, dtype).apply({"params": p["mlp"]}, x), k_BSKH, v_BSKH
-    moe = MoE(
-        cfg.num_experts,
-        cfg.experts_per_token,
-        cfg.moe_ffn_dim,
-        cfg.router,
-        cfg.capacity_factor,
-        dtype,
-    )
-    y, _ = moe.apply({"params": p["moe"]}, x)
-    if cfg.shared_experts:
-        shared = SwiGLU(cfg.shared_experts * cfg.moe_ffn_dim, dtype)
-        y = y + shared.apply({"params": p["shared"]}, x)
-    return h_BTD + y, k_BSKH, v_BSKH
+    return h_BTD, k_BSKH, v_BSKH
 
 
 FAMILY = Family(

@@ -258,7 +258,7 @@ def make_plan(
     offloaded_masters,
     opt,
     stacked,
-    inputs_offloadable: bool = True,
+    inputs_offloadable: bool = False,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
