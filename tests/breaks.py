@@ -4,7 +4,8 @@ not test the mechanism.
 
     python -m tests.breaks [--list] [NAME ...]
 
-Each break is (name, file, text, replacement, tests); the text must occur once in the file.
+Each break is (name, file, text, replacement, tests); the text must occur once in the file
+(text and replacement may be tuples: several edits of the one file).
 The working tree is never touched. Exit status 1 when some break's tests passed.
 """
 
@@ -109,6 +110,33 @@ BREAKS = [
         ],
     ),
     (
+        "pipeline stages pass activations by all-gathers",
+        "angel_jax/parallel/pipeline.py",
+        (
+            "pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))",
+            "pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))",
+        ),
+        (  # The same values: stage i takes stage i - 1's (forward) or i + 1's (backward).
+            "pin(jnp.roll(jax.lax.all_gather(out, PIPELINE), 1, 0)[jax.lax.axis_index(PIPELINE)])",
+            "pin(jnp.roll(jax.lax.all_gather(d_x, PIPELINE), -1, 0)[jax.lax.axis_index(PIPELINE)])",
+        ),
+        [
+            "tests/test_pipeline.py::test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute"
+        ],
+    ),
+    (
+        "capacity routers dispatch by an all-gather",
+        "angel_jax/parallel/expert.py",
+        "xs = jax.lax.all_to_all(xs, EXPERT, split_axis=1, concat_axis=0, tiled=True)",
+        # The same values: from every rank, the slice of axis 1 that is this rank's experts'.
+        "c = xs.shape[1] // jax.lax.axis_size(EXPERT)\n"
+        "                g = jax.lax.all_gather(xs, EXPERT)\n"
+        "                r = jax.lax.axis_index(EXPERT)\n"
+        "                g = jax.lax.dynamic_slice_in_dim(g, r * c, c, 2)\n"
+        "                xs = g.reshape(-1, *g.shape[2:])",
+        ["tests/test_moe.py::test_expert_parallel_moves_tokens_by_the_router_s_collectives"],
+    ),
+    (
         "layer inputs stay on the device",
         "angel_jax/remat.py",
         "    if not input_on_host:\n        return policy",
@@ -162,9 +190,13 @@ def run_break(name, path, text, replacement, tests) -> tuple[bool, float, str]:
         copy = pathlib.Path(tmp)
         copy_repo(copy)
         source = (copy / path).read_text()
-        if source.count(text) != 1:
-            return False, 0.0, f"the text to break occurs {source.count(text)} times in {path}"
-        (copy / path).write_text(source.replace(text, replacement))
+        pairs = (text, replacement) if isinstance(text, tuple) else ((text,), (replacement,))
+        edits = zip(*pairs, strict=True)
+        for old, new in edits:
+            if source.count(old) != 1:
+                return False, 0.0, f"the text to break occurs {source.count(old)} times in {path}"
+            source = source.replace(old, new)
+        (copy / path).write_text(source)
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest sets them.
