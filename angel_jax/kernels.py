@@ -273,13 +273,18 @@ def _cudnn_attention():
     return fused_attention_stablehlo
 
 
+def _cudnn_settings(fused, q, causal: bool) -> dict:
+    """The scale and mask that a block's cuDNN forward and backward share."""
+    mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
+    return dict(scale=q.shape[-1] ** -0.5, mask_type=mask)
+
+
 def cudnn_block(q, k, v, causal: bool):
     """`xla_block` through cuDNN's flash forward; its residual is the log-sum-exp, float32,
     (B, N, T) with a KV head's query heads adjacent."""
     fused = _cudnn_attention()
-    mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
     out, lse = fused.dot_product_attention(
-        _flat_heads(q), k, v, scale=q.shape[-1] ** -0.5, mask_type=mask, return_residual=True
+        _flat_heads(q), k, v, **_cudnn_settings(fused, q, causal), return_residual=True
     )
     return out.reshape(q.shape), lse.reshape(q.shape[0], *q.shape[2:4], q.shape[1])
 
@@ -298,11 +303,10 @@ def cudnn_block_grads(q, k, v, do, out, lse, causal: bool):
         lse.reshape(lse.shape[0], -1, lse.shape[-1]).astype(F32),
         _flat_heads(out).astype(q.dtype),
         _flat_heads(do).astype(q.dtype),
-        scale=q.shape[-1] ** -0.5,
+        **_cudnn_settings(fused, q, causal),
         seed=42,
         dropout_rate=0.0,
         variadic_args=(False, False),  # (has bias, has bias gradient)
-        mask_type=fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK,
         layout=fused.AttentionLayout.BTNH.value,
         sliding_window_length=None,
     )

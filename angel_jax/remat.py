@@ -31,11 +31,11 @@ def flash_attention_saveable(prim, *_, **__) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Remat:
     policy: Callable | None  # For jax.checkpoint; None: no remat.
-    # Saved per layer and token in d_model values, (device, host): about 34 with nothing
+    # Saved on the device per layer and token in d_model values: about 34 with nothing
     # recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight matmuls'
     # outputs, 1 for the layer input that remat always keeps. (A policy that recomputes also
     # holds one layer's recomputed temporaries in its backward: offload/planner.py.)
-    saved: tuple[int, int]
+    saved: int
     # Pipelines only (None: not offered there). The share of the layer's attention and of its
     # weight matmuls recomputed in a backward; the values kept per token in units of (model
     # dim, attention width, KV width, FFN width): the layer's input, then Q, K, V, the
@@ -43,6 +43,7 @@ class Remat:
     # and cuDNN's attention output for dots_attention (its statistics are a few bytes a head).
     recompute: tuple[int, int] | None = None
     widths: tuple[int, int, int, int] | None = None
+    offloaded: tuple[str, ...] = ()  # The named activations it keeps in pinned host memory.
 
 
 _policies = jax.checkpoint_policies
@@ -54,14 +55,14 @@ _dots_no_batch = _both(_policies.dots_with_no_batch_dims_saveable, _experts)
 
 # In the order a pipeline's `remat=auto` tries its policies: fastest first.
 REMATS = {
-    "none": Remat(None, (34, 0)),
-    "dots": Remat(_both(_policies.checkpoint_dots, _experts), (14, 0)),
+    "none": Remat(None, 34),
+    "dots": Remat(_both(_policies.checkpoint_dots, _experts), 14),
     # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch).
     "dots_attention": Remat(
-        _both(_dots_no_batch, flash_attention_saveable), (11, 0), (0, 0), (2, 2, 2, 2)
+        _both(_dots_no_batch, flash_attention_saveable), 11, (0, 0), (2, 2, 2, 2)
     ),
-    "dots_no_batch": Remat(_dots_no_batch, (10, 0), (1, 0), (2, 1, 2, 2)),
-    "full": Remat(_policies.nothing_saveable, (1, 0), (1, 1), (1, 0, 0, 0)),
+    "dots_no_batch": Remat(_dots_no_batch, 10, (1, 0), (2, 1, 2, 2)),
+    "full": Remat(_policies.nothing_saveable, 1, (1, 1), (1, 0, 0, 0)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
     "offload_dots": Remat(
         _policies.save_and_offload_only_these_names(
@@ -70,7 +71,8 @@ REMATS = {
             offload_src="device",
             offload_dst="pinned_host",
         ),
-        (1, 10),  # The host part a rough width: the planner counts the named outputs exactly.
+        1,
+        offloaded=OFFLOADABLE,
     ),
 }
 # The layer policies a pipeline offers. Each keeps activations only (the residuals of every

@@ -188,12 +188,15 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     unit = (  # One compute-dtype value per d_model channel, layer and token.
         m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
     )
-    on_device, on_host = REMATS[m.remat].saved
-    if on_host:  # offload_dots: exactly the named matmul outputs (remat.OFFLOADABLE).
-        hd = head_dim(m)
-        # q and the attention output, k and v, gate and up: values per token and layer.
-        width = 2 * m.num_heads * hd + 2 * m.num_kv_heads * hd + 2 * m.ffn_dim
-        on_host = width / m.d_model
+    remat = REMATS[m.remat]
+    hd = head_dim(m)
+    # Values per token and layer of each name a layer gives its activations (remat.OFFLOADABLE).
+    widths = {
+        "qkv": (m.num_heads + 2 * m.num_kv_heads) * hd,
+        "attn_out": m.num_heads * hd,
+        "mlp_in": 2 * m.ffn_dim,
+    }
+    on_host = sum(widths[name] for name in remat.offloaded) / m.d_model
     logits = 2 * tokens * m.vocab_size * 4 / mesh.shape[TENSOR] / m.logits_chunks
     working = 0
     if m.remat != "none":
@@ -205,7 +208,7 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         working = tokens * width * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
     return {
         "layer inputs": int(unit),
-        "activations": int((on_device - 1) * unit + working + logits),
+        "activations": int((remat.saved - 1) * unit + working + logits),
         "offloaded activations": int(on_host * unit),
     }
 
