@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError
-from angel_jax.offload.planner import HOST, SSD, Plan, make_plan
+from angel_jax.offload.cpu import CPUTier, measured_rates
+from angel_jax.offload.planner import CPU, HOST, SSD, Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
 from angel_jax.offload.stream import StreamedUpdate
@@ -98,8 +99,9 @@ def make_state_layout(
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,
+        measure_rates=lambda: measured_rates(optimizer),
     )
-    compute_sharding = abstract_compute = ssd = update = None
+    compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
         # Streamed layers' compute copy lives in host memory.
@@ -124,7 +126,9 @@ def make_state_layout(
                     "leave it empty on multi-process runs"
                 )
             ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
-        update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd)
+        on_cpu = [c for c in chunks if c.tier == CPU]
+        cpu = CPUTier(optimizer, on_cpu, jnp.dtype(config.model.dtype)) if on_cpu else None
+        update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd, cpu)
     powersgd = abstract_comm = comm_sharding = None
     if config.train.powersgd_rank:
         powersgd = PowerSGD(config.train.powersgd_rank)
@@ -149,7 +153,7 @@ def make_state_layout(
     offloaded = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
-        offloaded = OffloadedState(stacked, optimizer, state_sharding, dtype, ssd)
+        offloaded = OffloadedState(stacked, optimizer, state_sharding, dtype, ssd, cpu)
     return StateLayout(
         abstract_state=abstract_state,
         state_sharding=state_sharding,

@@ -171,6 +171,13 @@ BREAKS = [
         # On a GPU (JAX_PLATFORMS=cuda): the device's bytes in use; skipped elsewhere.
         ["tests/test_offload.py::test_update_holds_at_most_chunks_in_flight_in_device_memory"],
     ),
+    (
+        "the host's cores leave their chunks as they were",
+        "angel_jax/offload/cpu.py",
+        "        self._values[c.key] = (master, state)\n",
+        "",
+        ["tests/test_offload.py::test_hybrid_update_equals_on_device"],
+    ),
 ]
 
 

@@ -25,6 +25,9 @@ Each state lives in exactly one tier. Policies:
              on the device while it has room, the rest go to host memory, and what host
              memory cannot hold goes to the SSD tier (config.offload.ssd_dir), where the
              optimizer state may be kept in bfloat16 (config.offload.ssd_compress).
+Hybrid update (config.offload.cpu_update): a share of the host-memory chunks is kept in plain
+host memory and updated by the host's cores while the device updates the rest; by default the
+share that makes both finish together, from their measured rates.
 A plan that fits nowhere is refused before anything is allocated.
 """
 
@@ -43,6 +46,7 @@ from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
 from angel_jax.remat import REMATS
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
+CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
 POLICIES = ("none", "optimizer", "params", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
 USABLE = 0.95
@@ -63,10 +67,14 @@ class Plan:
     # optimizer state stay on the device under an offloading policy.
     resident: frozenset = frozenset()
     on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
+    on_cpu: frozenset = frozenset()  # Update chunks the host's cores update (hybrid update).
+    cpu_note: str = ""  # How the hybrid update's share was chosen.
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
             return SSD
+        if (path, layer) in self.on_cpu:
+            return CPU
         return DEVICE if (path, layer) in self.resident else HOST
 
     def fits(self) -> bool:
@@ -108,6 +116,8 @@ class Plan:
             used, budget = self.tier_bytes(tier), self.budget[tier]
             lines.append(f"  {'total ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
+        if self.cpu_note:
+            lines.append(f"  hybrid update: {self.cpu_note}")
         return "\n".join(lines)
 
 
@@ -262,12 +272,15 @@ def make_plan(
     opt,
     stacked,
     inputs_offloadable: bool = False,
+    measure_rates=None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
     `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
-    `inputs_offloadable`: the model's layers can keep their inputs in host memory.
+    `inputs_offloadable`: the model's layers can keep their inputs in host memory;
+    `measure_rates()`: (parameters per second the host's cores update, bytes per second the
+    device's update copies each way), for the hybrid update's share.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -386,7 +399,13 @@ def make_plan(
     candidates = [placed(n, tier) for n in names for tier in inputs]
     for plan in candidates:
         if plan.fits():
-            return plan
+            if not plan.offloads_optimizer:
+                return plan
+            chunks = _chunks(offloaded_masters, opt, stacked)
+            if jax.default_backend() == "cpu" or jax.process_count() > 1:
+                # The device is the host's cores, or each process would need its own share.
+                measure_rates = None
+            return _with_cpu_update(plan, config.offload.cpu_update, chunks, measure_rates)
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
@@ -407,6 +426,60 @@ def make_plan(
     raise ConfigError(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
         f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )
+
+
+def _with_cpu_update(plan: Plan, share: float, chunks, measure_rates) -> Plan:
+    """`plan` with `share` of its host-memory chunks' parameters updated by the host's cores
+    (share -1: from `measure_rates()`, the share that makes the host and the device finish
+    together; none without it). They are spread over the update's order, so both work from
+    its start."""
+    host = [(k, m, s) for k, m, s in chunks if k not in plan.resident and k not in plan.on_ssd]
+    note = ""
+    if share == -1:
+        if measure_rates is None or not host:
+            return plan
+        cpu_rate, copy_rate = measure_rates()
+        # The device's update moves each parameter's master and state both ways.
+        moved = sum(m + s for _, m, s in host) / sum(m // 4 for _, m, _ in host)
+        device_rate = copy_rate / moved
+        share = cpu_rate / (cpu_rate + device_rate)
+        note = (
+            f"measured: the host's cores {cpu_rate / 1e9:.2f}G parameters/s, the device "
+            f"{device_rate / 1e9:.2f}G/s ({copy_rate / 1e9:.0f} GB/s copies, {moved:.0f} bytes "
+            "each way a parameter); "
+        )
+    if share > 0 and jax.process_count() > 1:
+        raise ConfigError(
+            f"config.offload.cpu_update={share}: the hybrid update runs in one process only "
+            "for now; set it to 0 on multi-process runs"
+        )
+    total = sum(m for _, m, _ in host)
+    on_cpu, taken, seen = set(), 0, 0
+    for key, master, _ in host:
+        seen += master
+        if taken + master / 2 <= share * seen:  # Behind the share: the host takes this one.
+            on_cpu.add(key)
+            taken += master
+    if not on_cpu:
+        return plan
+    state_bytes, placement = dict(plan.state_bytes), dict(plan.placement)
+    cpu = {"master params": 0, "optimizer state": 0}
+    for key, master, state in host:
+        if key in on_cpu:
+            cpu["master params"] += master
+            cpu["optimizer state"] += state
+    for name, nbytes in cpu.items():
+        state_bytes[name] -= nbytes
+    state_bytes["CPU-updated chunks"] = sum(cpu.values())
+    placement["CPU-updated chunks"] = HOST  # Plain host memory, not the pinned pool.
+    note += f"the host's cores update {taken / total:.0%} of the host chunks' parameters"
+    return dataclasses.replace(
+        plan,
+        state_bytes=state_bytes,
+        placement=placement,
+        on_cpu=frozenset(on_cpu),
+        cpu_note=note,
     )
 
 

@@ -2,14 +2,16 @@
 conversions to and from what checkpoints hold.
 
 Offloaded masters and optimizer state keep each stacked weight as one array per layer, in
-pinned host memory or on the device (`host_layout`), with the SSD tier's chunks absent (None);
+pinned host memory or on the device (`host_layout`), with the chunks of the tiers that hold
+their own (the SSD tier, the host's cores' tier of the hybrid update) absent (None);
 the compute copy on the device (or, under layer streaming, in host memory) is derived from the
-masters. `OffloadedState` builds that state and converts it: checkpoints hold the SSD chunks and
-leave the compute copy out.
+masters. `OffloadedState` builds that state and converts it: checkpoints hold those tiers'
+chunks and leave the compute copy out.
 """
 
 import collections
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -18,7 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import DEVICE, SSD, Plan
+from angel_jax.offload.cpu import CPUTier
+from angel_jax.offload.planner import CPU, DEVICE, SSD, Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import Chunk, home_kind, unstack, unstack_like
 from angel_jax.optim import Optimizer
@@ -30,7 +33,7 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
     stacked weights split into one array per layer, each sharded like a layer slice of its
     (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
     Chunks on the SSD tier are None there. Also returns every update chunk, in update order
-    (with its shardings on the device, where its update runs)."""
+    (with its shardings on the device). Chunks on the SSD or CPU tier are None there."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 
@@ -38,7 +41,7 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
         def one(s, x, layer=None):
             spec = P(*s.spec[1:]) if is_stacked else s.spec
             tier = plan.chunk_tier(jax.tree_util.keystr(path), layer)
-            kind = DEVICE if tier == SSD else home_kind(tier, x)
+            kind = DEVICE if tier in OUTSIDE else home_kind(tier, x)
             return NamedSharding(s.mesh, spec, memory_kind=kind)
 
         if not is_stacked:
@@ -76,12 +79,41 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
         def one(path, is_stacked, sub):
             key = jax.tree_util.keystr(path)
             if not is_stacked:
-                return None if plan.chunk_tier(key, None) == SSD else sub
-            return tuple(None if plan.chunk_tier(key, i) == SSD else x for i, x in enumerate(sub))
+                return None if plan.chunk_tier(key, None) in OUTSIDE else sub
+            return tuple(
+                None if plan.chunk_tier(key, i) in OUTSIDE else x for i, x in enumerate(sub)
+            )
 
         return jax.tree_util.tree_map_with_path(one, stacked, tree)
 
     return drop(host_params), drop(host_opt), drop(masters), drop(opt), chunks
+
+
+OUTSIDE = (SSD, CPU)  # The tiers that hold their chunks themselves, not in the state tree.
+
+
+class Outside:
+    """The tiers that hold their chunks outside the state tree (SSD, CPU) as one: their
+    chunks in order, each read and written through its own tier."""
+
+    def __init__(self, *tiers):
+        self.tiers = [t for t in tiers if t]
+        self.chunks = [c for t in self.tiers for c in t.chunks]
+        self.by_key = {k: c for t in self.tiers for k, c in t.by_key.items()}
+        self._tier = {c.key: t for t in self.tiers for c in t.chunks}
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+    def put(self, chunk, master, state):
+        return self._tier[chunk.key].put(chunk, master, state)
+
+    def read_all(self) -> list:
+        return [v for t in self.tiers for v in t.read_all()]
+
+    def wait(self) -> None:
+        for t in self.tiers:
+            t.wait()
 
 
 def _abstract_on_device(abstract_tree):
@@ -112,6 +144,11 @@ class OffloadedState:
     state_sharding: Any  # A TrainState of NamedShardings, in the host layout.
     dtype: jnp.dtype  # Of the compute copy.
     ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
+    cpu: CPUTier | None = None  # Update chunks the host's cores update, if any.
+
+    @functools.cached_property
+    def outside(self) -> Outside:
+        return Outside(self.ssd, self.cpu)
 
     def init(self, init_params, rng) -> tuple:
         """(step, params, opt_state, compute_params) of a fresh state, with the params from
@@ -132,10 +169,10 @@ class OffloadedState:
 
         def place(key, layer, master, state):
             """(master, state) where they stay: None, None for a chunk that went to disk."""
-            chunk = self.ssd.by_key.get((key, layer)) if self.ssd else None
+            chunk = self.outside.by_key.get((key, layer)) if self.outside else None
             if chunk is None:
                 return master, state
-            pending.append(self.ssd.put(chunk, master, state))
+            pending.append(self.outside.put(chunk, master, state))
             while len(pending) > 2:
                 for write in pending.popleft():
                     write.result()
@@ -175,59 +212,63 @@ class OffloadedState:
             self.state_sharding.compute_params,
         )
         part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
-        if self.ssd:
-            self.ssd.wait()
+        if self.outside:
+            self.outside.wait()
         # The step as the jitted step returns it, so its first call compiles what later use.
         step = jax.device_put(jnp.zeros((), jnp.int32), self.state_sharding.step)
         return step, part(0), part(1), part(2)
 
     def params_numpy(self, params):
-        """The fp32 masters `params` as numpy arrays in the model's layout: the SSD chunks read
-        in, each stacked weight's layers stacked again."""
+        """The fp32 masters `params` as numpy arrays in the model's layout: the chunks held
+        outside read in, each stacked weight's layers stacked again."""
         params = jax.device_get(params)
-        if self.ssd:  # Fill in the chunks on disk.
-            params = self._with_ssd(params, [m for m, _ in self.ssd.read_all()])
+        if self.outside:  # Fill in the chunks held outside.
+            params = self._with_outside(params, [m for m, _ in self.outside.read_all()])
         return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
 
     def checkpointed(self, state):
-        """What checkpoints hold: the derived compute copy left out, the SSD tier's chunks in
-        (as numpy arrays, read from disk: the tier passes through host memory while saving)."""
+        """What checkpoints hold: the derived compute copy left out, the SSD and CPU tiers'
+        chunks in (as numpy arrays: the SSD tier passes through host memory while saving)."""
         state = state.replace(compute_params=None)
-        if not self.ssd:
+        if not self.outside:
             return state
-        values = self.ssd.read_all()
+        values = self.outside.read_all()
         return state.replace(
-            params=self._with_ssd(state.params, [m for m, _ in values]),
-            opt_state=self._with_ssd(state.opt_state, [s for _, s in values]),
+            params=self._with_outside(state.params, [m for m, _ in values]),
+            opt_state=self._with_outside(state.opt_state, [s for _, s in values]),
         )
 
     def checkpoint_target(self, abstract_state):
-        """The abstract `checkpointed` state to restore into: the SSD chunks as numpy."""
+        """The abstract `checkpointed` state to restore into: the chunks held outside as
+        numpy."""
         state = abstract_state.replace(compute_params=None)
-        if not self.ssd:
+        if not self.outside:
             return state
         empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
         return state.replace(
-            params=self._with_ssd(state.params, [empty(c.master) for c in self.ssd.chunks]),
-            opt_state=self._with_ssd(state.opt_state, [empty(c.state) for c in self.ssd.chunks]),
+            params=self._with_outside(state.params, [empty(c.master) for c in self.outside.chunks]),
+            opt_state=self._with_outside(
+                state.opt_state, [empty(c.state) for c in self.outside.chunks]
+            ),
         )
 
     def from_checkpointed(self, state):
-        """Re-derives what `checkpointed` left out, and puts the SSD chunks back on disk."""
+        """Re-derives what `checkpointed` left out, and puts the chunks held outside back in
+        their tiers (on disk, in the CPU tier)."""
         derive = jax.jit(self._compute_params, out_shardings=self.state_sharding.compute_params)
         state = state.replace(compute_params=derive(state.params))
-        if self.ssd:
-            masters, master_values = self._without_ssd(state.params)
-            opt, state_values = self._without_ssd(state.opt_state)
-            for chunk, m, s in zip(self.ssd.chunks, master_values, state_values, strict=True):
-                self.ssd.put(chunk, m, s)
-            self.ssd.wait()
+        if self.outside:
+            masters, master_values = self._without_outside(state.params)
+            opt, state_values = self._without_outside(state.opt_state)
+            for chunk, m, s in zip(self.outside.chunks, master_values, state_values, strict=True):
+                self.outside.put(chunk, m, s)
+            self.outside.wait()
             state = state.replace(params=masters, opt_state=opt)
         return state
 
     def _compute_params(self, masters):
-        """The compute copy of `masters` (the SSD chunks filled in), a stacked weight's layers
-        stacked again; inside jit."""
+        """The compute copy of `masters` (the chunks held outside filled in), a stacked
+        weight's layers stacked again; inside jit."""
         shardings = self._filled(self.state_sharding.params, "master_sharding")
         on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
         masters = jax.device_put(masters, on_device)
@@ -240,18 +281,18 @@ class OffloadedState:
         )
 
     def _filled(self, shardings, field: str):
-        """Masters' or optimizer state's `shardings` with the SSD chunks' device shardings
+        """Masters' or optimizer state's `shardings` with the outside chunks' device shardings
         (their `field`) where the state holds None."""
-        if not self.ssd:
+        if not self.outside:
             return shardings
-        return self._with_ssd(shardings, [getattr(c, field) for c in self.ssd.chunks])
+        return self._with_outside(shardings, [getattr(c, field) for c in self.outside.chunks])
 
-    def _with_ssd(self, tree, values: list):
-        """A masters- or optimizer-state-shaped `tree` (per layer) with each SSD chunk's None
+    def _with_outside(self, tree, values: list):
+        """A masters- or optimizer-state-shaped `tree` (per layer) with each outside chunk's None
         replaced by its item of `values` (one per chunk, in order)."""
         treedef = jax.tree.structure(self.stacked)
         flat = treedef.flatten_up_to(tree)
-        for chunk, value in zip(self.ssd.chunks, values, strict=True):
+        for chunk, value in zip(self.outside.chunks, values, strict=True):
             if chunk.layer is None:
                 flat[chunk.weight] = value
             else:
@@ -260,12 +301,12 @@ class OffloadedState:
                 flat[chunk.weight] = tuple(layers)
         return treedef.unflatten(flat)
 
-    def _without_ssd(self, tree):
-        """(`tree` with None where the SSD chunks are, their values in chunk order)."""
+    def _without_outside(self, tree):
+        """(`tree` with None where the outside chunks are, their values in chunk order)."""
         treedef = jax.tree.structure(self.stacked)
         flat = treedef.flatten_up_to(tree)
         values = []
-        for chunk in self.ssd.chunks:
+        for chunk in self.outside.chunks:
             if chunk.layer is None:
                 values.append(flat[chunk.weight])
                 flat[chunk.weight] = None

@@ -9,6 +9,7 @@ host grad sums) holds on the device.
 """
 
 import concurrent.futures as futures
+import functools
 from typing import NamedTuple
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import DEVICE, HOST, SSD
+from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD
 from angel_jax.optim import Optimizer
 
 Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
@@ -145,8 +146,11 @@ class StreamedUpdate:
     holds at most `in_flight` chunks (plus their outputs being copied back).
     """
 
-    def __init__(self, optimizer: Optimizer, chunks: list[Chunk], in_flight: int, ssd=None):
-        self.optimizer, self.chunks, self.in_flight, self.ssd = optimizer, chunks, in_flight, ssd
+    def __init__(
+        self, optimizer: Optimizer, chunks: list[Chunk], in_flight: int, ssd=None, cpu=None
+    ):
+        self.optimizer, self.in_flight, self.ssd, self.cpu = optimizer, in_flight, ssd, cpu
+        self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
         self.ahead = max(1, in_flight // 2)
         self.most_in_flight = 0  # The most chunks on the device at once, as scheduled.
         self._fns, self._indices = {}, {}
@@ -154,7 +158,7 @@ class StreamedUpdate:
         # their shardings on the device and at home. Built once: the loop is Python-bound
         # on small chunks.
         self._moves = []
-        for c in chunks:
+        for c in self.chunks:
             leaves = [c.master, *jax.tree.leaves(c.state)]
             moved = [
                 i for i, x in enumerate(leaves) if c.tier == SSD or home_kind(c.tier, x) != DEVICE
@@ -172,6 +176,8 @@ class StreamedUpdate:
         (masters, states, compute) likewise; donates `masters`, `states` and `compute`.
         """
         chunks, n = self.chunks, len(self.chunks)
+        # The host's cores start on theirs (hybrid update) while the device works on its own.
+        on_cpu = self.cpu.update(grads, scale) if self.cpu else []
         stacked = {c.weight for c in chunks if c.layer is not None}
         masters, states = (
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -247,6 +253,8 @@ class StreamedUpdate:
             # Fetched and not yet updated, or updated and maybe not yet home.
             on_device = len(fetched) + len(home) - gone
             self.most_in_flight = max(self.most_in_flight, on_device)
+        for c, new in on_cpu:
+            compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
         return tuples(masters), tuples(states), compute
 
@@ -281,6 +289,28 @@ class StreamedUpdate:
                 donate_argnums=(3, 4, 5),  # The compute copy is updated in place.
             )
         return self._fns[key]
+
+
+def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.Array:
+    """The compute copy with `new` (a weight, or a layer of a stacked one, from the host's CPU
+    backend) in its place; a stacked copy is updated in place (donated)."""
+    if layer is None:
+        out = jax.device_put(new, compute.sharding)
+        compute.delete()
+        return out
+    spec = P(*compute.sharding.spec[1:])
+    new = jax.device_put(new, NamedSharding(compute.sharding.mesh, spec))
+    index = jax.device_put(np.int32(layer), NamedSharding(compute.sharding.mesh, P()))
+    return _set_layer(compute.sharding)(compute, new, index)
+
+
+@functools.cache
+def _set_layer(sharding):
+    def set_layer(stacked, new, layer):
+        new = jax.device_put(new, jax.typeof(stacked).memory_space)
+        return jax.lax.dynamic_update_index_in_dim(stacked, new, layer, 0)
+
+    return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
 
 
 def _wait(pending) -> None:
