@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError
-from angel_jax.offload.cpu import CPUTier, measured_rates
+from angel_jax.offload.cpu import CPUTier
 from angel_jax.offload.planner import CPU, HOST, SSD, Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
@@ -99,7 +99,6 @@ def make_state_layout(
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,
-        measure_rates=lambda: measured_rates(optimizer),
     )
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:

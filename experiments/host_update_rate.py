@@ -2,6 +2,7 @@
 running it, beside the copies the device's update needs.
 
     python experiments/host_update_rate.py [--params 268435456] [--out FILE]
+    python experiments/host_update_rate.py --transfers [--threads 1,8] [--out FILE]
 
 Each way runs in its own process (the CPU device count and dispatch mode are set at start):
   xla, K threads          jitted AdamW on the CPU backend, one CPU device, K Python threads
@@ -106,13 +107,63 @@ def _numpy(threads: int, params: int) -> dict:
     return dict(params_per_s=params / seconds)
 
 
+def transfers(threads: int) -> dict:
+    """GB/s of a step's worth of grads (32 x 12M bf16) from the GPU to JAX's CPU backend and
+    of new weights back, by `threads` Python threads, per way of copying: what the hybrid
+    update's host share moves (a rate that falls as threads are added means the copies are
+    serialised, e.g. by the GIL)."""
+    import concurrent.futures as cf
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    gpu, cpu = jax.devices()[0], jax.devices("cpu")[0]
+    pinned = SingleDeviceSharding(gpu, memory_kind="pinned_host")
+    n, count = 12 * 2**20, 32
+    on_gpu = [jnp.full(n, i, jnp.bfloat16, device=gpu) for i in range(count)]
+    on_cpu = [
+        jax.device_put(np.ones(n, np.float32), cpu).astype(jnp.bfloat16) for _ in range(count)
+    ]
+    ways = {
+        "gpu -> cpu backend (device_put)": (on_gpu, lambda x: jax.device_put(x, cpu)),
+        "gpu -> numpy (device_get)": (on_gpu, lambda x: jax.device_get(x)),
+        "gpu -> pinned host -> numpy": (
+            on_gpu,
+            lambda x: np.asarray(jax.block_until_ready(jax.device_put(x, pinned))),
+        ),
+        "cpu backend -> gpu (device_put)": (on_cpu, lambda x: jax.device_put(x, gpu)),
+    }
+    out = {}
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for name, (arrays, fn) in ways.items():
+            run = lambda fn=fn, arrays=arrays: list(
+                pool.map(lambda x: jax.block_until_ready(fn(x)), arrays)
+            )
+            run()
+            start = time.perf_counter()
+            run()
+            out[name] = count * n * 2 / 1e9 / (time.perf_counter() - start)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--params", type=int, default=2**28)
     p.add_argument("--threads", default="1,4,8,12")
     p.add_argument("--out", default=str(ROOT / "experiments/results/host_update_rate.json"))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--transfers", action="store_true", help="the copies' rates instead")
     a = p.parse_args()
+    if a.transfers:  # On the GPU machine.
+        results = []
+        for k in map(int, a.threads.split(",")):
+            results.append(dict(threads=k, gbps=transfers(k)))
+            for name, rate in results[-1]["gbps"].items():
+                print(f"{k:>3} threads  {name:<34} {rate:6.1f} GB/s", flush=True)
+        write_results(a.out, results)
+        return 0
     if a.child:
         print(json.dumps(child(a.child[0], int(a.child[1]), a.params)))
         return 0

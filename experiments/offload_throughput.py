@@ -16,13 +16,37 @@ from throughput import ROOT, run, run_ours, write_results
 
 # (name, config, overrides, steps timed or None for the default); steps=0 times the one
 # broken-down step instead.
+OPT = ["--config.offload.policy=optimizer"]
+DEVICE_UPDATE = [*OPT, "--config.offload.cpu_update=0"]  # The device updates every chunk.
+IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
+# fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
+# About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
+BIG = ["--config.zero_stage=1", "--config.train.batch_size=128"]
+FP8 = ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]
+# (name, config, overrides, steps timed or None for the default); steps=0 times the one
+# broken-down step instead. "hybrid": the host's cores update a share of the chunks
+# (config.offload.cpu_update; by default the planner's share from measured rates).
 VARIANTS = [
     ("llama_1b none", "llama_1b", ["--config.offload.policy=none"], None),
-    ("llama_1b optimizer", "llama_1b", ["--config.offload.policy=optimizer"], None),
+    ("llama_1b optimizer, device update", "llama_1b", DEVICE_UPDATE, None),
     (
-        "llama_1b optimizer, 8 chunks in flight",
+        "llama_1b optimizer, device update, 8 in flight",
         "llama_1b",
-        ["--config.offload.policy=optimizer", "--config.offload.chunks_in_flight=8"],
+        DEVICE_UPDATE + IN_FLIGHT_8,
+        None,
+    ),
+    ("llama_1b optimizer, hybrid", "llama_1b", OPT, None),
+    ("llama_1b optimizer, hybrid, 8 in flight", "llama_1b", OPT + IN_FLIGHT_8, None),
+    (
+        "llama_1b optimizer, hybrid 25%, 8 in flight",
+        "llama_1b",
+        [*OPT, *IN_FLIGHT_8, "--config.offload.cpu_update=0.25"],
+        None,
+    ),
+    (
+        "llama_1b optimizer, hybrid 40%, 8 in flight",
+        "llama_1b",
+        [*OPT, *IN_FLIGHT_8, "--config.offload.cpu_update=0.4"],
         None,
     ),
     ("llama_1b params", "llama_1b", ["--config.offload.policy=params"], None),
@@ -35,33 +59,37 @@ VARIANTS = [
     (
         "llama_1b optimizer, 2 microbatches",
         "llama_1b",
-        ["--config.offload.policy=optimizer", "--config.train.microbatches=2"],
+        [*OPT, "--config.train.microbatches=2"],
         None,
     ),
-    # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
-    # About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
     (
-        "llama3_8b optimizer, 128 x 8192 in 128 microbatches",
+        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, device update",
         "llama3_8b",
-        [
-            "--config.offload.policy=optimizer",
-            "--config.zero_stage=1",
-            "--config.train.batch_size=128",
-            "--config.train.microbatches=128",
-        ],
+        [*DEVICE_UPDATE, *BIG, "--config.train.microbatches=128"],
         0,
     ),
     (
-        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, fp8 matmul + lm head",
+        "llama3_8b optimizer, 128 x 8192 in 128 microbatches, fp8 matmul + lm head, device update",
         "llama3_8b",
-        [
-            "--config.offload.policy=optimizer",
-            "--config.zero_stage=1",
-            "--config.train.batch_size=128",
-            "--config.train.microbatches=128",
-            "--config.fp8.matmul=true",
-            "--config.fp8.lm_head=true",
-        ],
+        [*DEVICE_UPDATE, *BIG, "--config.train.microbatches=128", *FP8],
+        0,
+    ),
+    (
+        "llama3_8b optimizer, 128 x 8192 in 64 microbatches, fp8 matmul + lm head, device update",
+        "llama3_8b",
+        [*DEVICE_UPDATE, *BIG, "--config.train.microbatches=64", *FP8],
+        0,
+    ),
+    (
+        "llama3_8b fp8 hybrid, 128 x 8192 in 128 microbatches, fp8 matmul + lm head",
+        "llama3_8b",
+        [*OPT, *BIG, "--config.train.microbatches=128", *FP8],
+        0,
+    ),
+    (
+        "llama3_8b fp8 hybrid, 128 x 8192 in 64 microbatches, fp8 matmul + lm head",
+        "llama3_8b",
+        [*OPT, *BIG, "--config.train.microbatches=64", *FP8],
         0,
     ),
 ]
@@ -106,7 +134,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
     p.add_argument(
-        "--only", default="", help="comma-separated: run the variants whose name contains one"
+        "--only", default="", help="';'-separated: run the variants whose name contains one"
+    )
+    p.add_argument(
+        "--baselines", help="directory of the peer baselines: runs hf_deepspeed_offload.py too"
     )
     p.add_argument("--copy-rates", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,7 +148,7 @@ def main() -> int:
     print("host<->device copies:", json.dumps(rates), flush=True)
     results = [{**rates, "system": "copy rates"}]
     for name, config, overrides, steps in VARIANTS:
-        if args.only and not any(part in name for part in args.only.split(",")):
+        if args.only and not any(part in name for part in args.only.split(";")):
             continue
         config_path = str(ROOT / "configs" / f"{config}.py")
         warmup = args.warmup if steps is None else 1
@@ -125,12 +156,20 @@ def main() -> int:
         results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
 
+    if args.baselines:  # DeepSpeed ZeRO-2 with CPU Adam: the peer of policy=optimizer.
+        cmd = [sys.executable, "hf_deepspeed_offload.py"]
+        peer = run(cmd, args.baselines)
+        results.append({**peer, "system": "deepspeed zero-2, optimizer on the CPU (peer)"})
+        print(json.dumps(results[-1]), flush=True)
     ref = {r["system"].split()[0]: r for r in results if r["system"].endswith(" none")}
     head = ("variant", "step s", "tokens/s", "MFU", "peak GiB", "fwd+bwd", "update", "GB/s")
     print("\n{:<52} {:>7} {:>9} {:>6} {:>8} {:>7} {:>7} {:>6}  losses".format(*head))
     for r in results[1:]:
         if "tokens_per_s" not in r:
             print(f"{r['system']:<40} failed: {r.get('error')}")
+            continue
+        if "warmup_losses" not in r:  # The peer.
+            print(f"{r['system']:<52} {r['step_s']:>7.3f} {r['tokens_per_s']:>9,.0f} ")
             continue
         base = ref.get(r["system"].split()[0])
         same = ""

@@ -93,6 +93,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         planned_device_gib=exp.plan.tier_bytes("device") / 2**30,
         planned_host_gib=exp.plan.tier_bytes("pinned_host") / 2**30,
         planned={s: b / 2**30 for s, b in exp.plan.state_bytes.items()},
+        hybrid_update=exp.plan.cpu_note,
         compile_s=time.perf_counter() - start,
         **compiled_memory(train_step),
     )
@@ -173,6 +174,9 @@ def offload_breakdown(exp, state, batch) -> dict:
     if not exp.plan.offloads_optimizer:
         return {}
     jax.block_until_ready(state)
+    cpu = exp.offloaded.cpu
+    if cpu:
+        cpu.seconds.clear()
     with sharding.use_rules(exp.mesh, exp.rules):
         start = time.perf_counter()
         step, grads, scale, metrics = exp.steps.grad_step(state.step, state.compute_params, batch)
@@ -191,6 +195,7 @@ def offload_breakdown(exp, state, batch) -> dict:
         update_s=end - middle,
         update_gb_each_way=moved / 1e9,
         update_gbps_each_way=moved / 1e9 / (end - middle),
+        **({"cpu_update_seconds": dict(cpu.seconds)} if cpu else {}),
     )
 
 

@@ -226,7 +226,7 @@ def test_validate_accepts_defaults():
         (["--config.train.lr=-0.1"], ["config.train.lr=-0.1", "negative"]),
         (["--config.train.optimizer=sgd"], ["config.train.optimizer='sgd'", "adafactor"]),
         (["--config.offload.chunks_in_flight=0"], ["chunks_in_flight=0", ">= 1"]),
-        (["--config.offload.cpu_update=1.5"], ["cpu_update=1.5", "[0, 1], or -1"]),
+        (["--config.offload.cpu_update=1.5"], ["cpu_update=1.5", "in [0, 1]"]),
         (
             ["--config.model.remat=offload_all"],
             ["config.model.remat='offload_all'", "offload_dots"],

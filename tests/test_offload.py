@@ -345,23 +345,22 @@ def test_hybrid_update_checkpoints_and_resumes(tmp_path):
     )
 
 
-def test_hybrid_share_from_measured_rates():
-    """Auto: the share at which the host's cores and the device finish together; none where
-    nothing is measured (a CPU backend, several processes)."""
+def test_hybrid_share_is_spread_over_the_update():
+    """The host's share is taken chunk by chunk as the update's order goes, so both the host
+    and the device work from its start."""
     gib = 2**30
     plan = planner.Plan(
         "optimizer", {}, {"master params": 4 * gib, "optimizer state": 8 * gib}, {}, 2**30, 1
     )
-    chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]  # 2**25 params each.
-    # The host's cores 1G params/s; copies 36 GB/s each way over 12 bytes a parameter: 3G/s.
-    out = planner._with_cpu_update(plan, -1, chunks, lambda: (1e9, 36e9))
+    chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]
+    out = planner._with_cpu_update(plan, 0.25, chunks)
     assert len(out.on_cpu) == 8 and "25% of the host chunks" in out.cpu_note
     assert out.state_bytes["CPU-updated chunks"] == 8 * (gib // 8 + gib // 4)
-    # Spread over the update's order: every fourth chunk, not a quarter of them in a row.
+    assert out.state_bytes["master params"] == 4 * gib - gib
+    # Every fourth chunk, not a quarter of them in a row.
     assert sorted(int(k[0][1:]) for k in out.on_cpu) == list(range(1, 32, 4))
-    assert planner._with_cpu_update(plan, -1, chunks, None) is plan
-    assert not planner._with_cpu_update(plan, 0.0, chunks, None).on_cpu
-    assert len(planner._with_cpu_update(plan, 1.0, chunks, None).on_cpu) == 32
+    assert planner._with_cpu_update(plan, 0.0, chunks) is plan
+    assert len(planner._with_cpu_update(plan, 1.0, chunks).on_cpu) == 32
 
 
 def test_ssd_tier_is_offered_when_nothing_fits(three_tiers):

@@ -8,10 +8,19 @@ math, one fused loop per chunk). XLA:CPU runs one program on one core, so a pool
 updates several chunks at once: on the H200 machine's 16 cores, AdamW reached 0.69G parameters/s
 on one thread and 1.4-1.5G on 4 to 14, where the memory bus saturates
 (`experiments/results/host_update_rate.json`).
+
+Measured there on llama_1b (`offload_policies_llama_1b.json`), the hybrid update is slower than
+the device's alone: 0.43-0.50 s a step for shares of 24-37% against 0.34 s. The host's path is
+not what limits it (the device's chunks finish last), but the device's path slows down beside
+it: both stream through the host's memory (the copies at about 2 x 38 GB/s, the update at about
+30 bytes a parameter) and the device's Python-driven loop shares the interpreter with the
+pool. So `config.offload.cpu_update` is 0 unless set.
 """
 
+import collections
 import concurrent.futures as futures
 import os
+import threading
 import time
 
 import jax
@@ -20,21 +29,24 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from angel_jax.offload.stream import layer_index
 from angel_jax.optim import Optimizer
 
+PINNED = "pinned_host"
 THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # Past 4 the memory bus is the limit.
 
 
-def _done(value=None) -> futures.Future:
+def _done() -> futures.Future:
     f = futures.Future()
-    f.set_result(value)
+    f.set_result(None)
     return f
 
 
 class CPUTier:
     """The chunks the plan gave the host's cores (`stream.Chunk`s of tier CPU), their masters
     and states as arrays of JAX's CPU backend. Outside the state tree, like the SSD tier, with
-    the same interface (`put`, `read`, `read_all`, `wait`); `update` runs a step's updates."""
+    what `state.Outside` needs of a tier (`chunks`, `by_key`, `put`, `read_all`, `wait`);
+    `update` runs a step's updates."""
 
     def __init__(self, optimizer: Optimizer, chunks: list, dtype):
         self.optimizer, self.chunks, self.dtype = optimizer, chunks, dtype
@@ -43,14 +55,13 @@ class CPUTier:
         self._values = {}  # Chunk key -> (master, state) on the CPU backend.
         self._pool = futures.ThreadPoolExecutor(THREADS, thread_name_prefix="cpu-update")
         self._fns = {}
+        # Thread-seconds spent, summed over the pool: where the host's share of a step goes.
+        self.seconds = collections.Counter()
+        self._lock = threading.Lock()
 
     def put(self, chunk, master, state) -> tuple[futures.Future, futures.Future]:
         self._values[chunk.key] = jax.device_put((master, state), self.cpu)
         return _done(), _done()
-
-    def read(self, chunk) -> tuple[futures.Future, futures.Future]:
-        master, state = self._values[chunk.key]
-        return _done(master), _done(state)
 
     def read_all(self) -> list:
         """Every chunk's (master, state) as numpy arrays, in order: copies, since the next
@@ -58,40 +69,50 @@ class CPUTier:
         a page, and ran at a fifth of the speed on the CPU)."""
         return [jax.tree.map(np.array, self._values[c.key]) for c in self.chunks]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self._values))
-
     def wait(self) -> None:
         pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def update(self, grads: list, scale) -> list[tuple[object, futures.Future]]:
+    def update(self, grads: list, scale, compute: list) -> list[tuple[object, futures.Future]]:
         """Starts every chunk's update with its grad times `scale` on the pool; returns, per
-        chunk in order, (chunk, future of its new compute-dtype weight on the host's CPU
-        device). `grads` are flat over the params' leaves, stacked for stacked weights (or
-        tuples of layers); each chunk's grad is cut out on its device before it is copied."""
+        chunk in order, (chunk, future of its new compute-dtype weight in pinned host memory,
+        laid out as its slice of `compute`, the compute copy's flat leaves). `grads` are flat
+        over the params' leaves, stacked for stacked weights (or tuples of layers); each
+        chunk's grad is cut out on its device before it is copied."""
         scale = jax.device_put(scale, self.cpu)
         pending = []
         for c in self.chunks:
-            grad = grads[c.weight]
+            grad, up = grads[c.weight], compute[c.weight].sharding.with_memory_kind(PINNED)
             if isinstance(grad, tuple):
                 grad = grad[c.layer]
             elif c.layer is not None:
                 grad = _layer(grad, c.layer)
-            pending.append((c, self._pool.submit(self._update, c, grad, scale)))
+            if c.layer is not None:
+                up = NamedSharding(up.mesh, P(*up.spec[1:]), memory_kind=PINNED)
+            pending.append((c, self._pool.submit(self._update, c, grad, scale, up)))
         return pending
 
-    def _update(self, c, grad, scale):
-        if grad.sharding.memory_kind != "device":  # Layer streaming's, in pinned host memory:
-            grad = jax.device_get(grad)  # no direct copy from there to another backend.
-        grad = jax.device_put(grad, self.cpu)
+    def _update(self, c, grad, scale, up):
+        """Copies go through pinned host memory and numpy: on the H200 a device_put between
+        the GPU and the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through
+        pinned memory at 25 (`host_transfer_rate.json`)."""
+        start = time.perf_counter()
+        grad = jax.device_put(grad, grad.sharding.with_memory_kind(PINNED))  # The device's DMA.
+        grad = jax.device_put(np.asarray(grad), self.cpu)
+        copied = time.perf_counter()
         master, state = self._values[c.key]
         master, state, new = self._fn(c)(grad, scale, master, state)
         self._values[c.key] = (master, state)
-        return jax.block_until_ready(new)  # The thread's core runs it: block here, not later.
+        new = jax.block_until_ready(new)  # The thread's core runs it: block here, not later.
+        updated = time.perf_counter()
+        new = jax.block_until_ready(jax.device_put(np.asarray(new), up))
+        with self._lock:
+            self.seconds["grad copy"] += copied - start
+            self.seconds["update"] += updated - copied
+            self.seconds["weight copy"] += time.perf_counter() - updated
+        return new
 
     def _fn(self, c):
         if c.weight not in self._fns:
@@ -113,51 +134,4 @@ def _layer_of(grad, layer):
 
 def _layer(grad, layer: int):
     """Layer `layer` of a stacked grad, cut on its devices."""
-    index = jax.device_put(np.int32(layer), NamedSharding(grad.sharding.mesh, P()))
-    return _layer_of(grad, index)
-
-
-def measured_rates(optimizer: Optimizer) -> tuple[float, float]:
-    """(parameters per second the host's cores update with `optimizer` on the pool's threads,
-    bytes per second of host<->device copies each way with both directions at once): the
-    hybrid update's share comes from these. Each is timed after a warm-up pass (XLA compiles;
-    the pinned-host pool grows, and its first copies crawl)."""
-    cpu, n, count = jax.devices("cpu")[0], 2**22, 2 * THREADS
-    path = (jax.tree_util.DictKey("kernel"),)
-
-    def update(grad, master, state):
-        return optimizer.update_leaf(path, grad.astype(jnp.float32), state, master)
-
-    fn = jax.jit(update, donate_argnums=(1, 2))
-    chunks = []
-    for _ in range(count):
-        master = jax.device_put(np.ones(n, np.float32), cpu)
-        grad = jax.device_put(np.full(n, 1e-3, np.float32), cpu).astype(jnp.bfloat16)
-        chunks.append([grad, master, jax.jit(lambda m: optimizer.init_leaf(path, m))(master)])
-
-    def run(c):
-        c[1], c[2] = jax.block_until_ready(fn(*c))
-
-    with futures.ThreadPoolExecutor(THREADS) as pool:
-        cpu_rate = n * count / _best_time(lambda: list(pool.map(run, chunks)))
-    device = jax.local_devices()[0]
-    on_device = NamedSharding(jax.sharding.Mesh([device], "x"), P())
-    on_host = on_device.with_memory_kind("pinned_host")
-    pieces = [jnp.ones(2**24, jnp.float32, device=on_device) for _ in range(4)]
-    host = jax.device_put(pieces, on_host)
-
-    def both_ways():
-        jax.block_until_ready((jax.device_put(host, on_device), jax.device_put(pieces, on_host)))
-
-    copy_rate = 4 * 2**24 * 4 / _best_time(both_ways)
-    return cpu_rate, copy_rate
-
-
-def _best_time(fn, reps: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return _layer_of(grad, layer_index(grad.sharding.mesh, layer))

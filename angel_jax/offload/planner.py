@@ -26,8 +26,7 @@ Each state lives in exactly one tier. Policies:
              memory cannot hold goes to the SSD tier (config.offload.ssd_dir), where the
              optimizer state may be kept in bfloat16 (config.offload.ssd_compress).
 Hybrid update (config.offload.cpu_update): a share of the host-memory chunks is kept in plain
-host memory and updated by the host's cores while the device updates the rest; by default the
-share that makes both finish together, from their measured rates.
+host memory and updated by the host's cores while the device updates the rest.
 A plan that fits nowhere is refused before anything is allocated.
 """
 
@@ -272,15 +271,12 @@ def make_plan(
     opt,
     stacked,
     inputs_offloadable: bool = False,
-    measure_rates=None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
     `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
-    `inputs_offloadable`: the model's layers can keep their inputs in host memory;
-    `measure_rates()`: (parameters per second the host's cores update, bytes per second the
-    device's update copies each way), for the hybrid update's share.
+    `inputs_offloadable`: the model's layers can keep their inputs in host memory.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -402,10 +398,7 @@ def make_plan(
             if not plan.offloads_optimizer:
                 return plan
             chunks = _chunks(offloaded_masters, opt, stacked)
-            if jax.default_backend() == "cpu" or jax.process_count() > 1:
-                # The device is the host's cores, or each process would need its own share.
-                measure_rates = None
-            return _with_cpu_update(plan, config.offload.cpu_update, chunks, measure_rates)
+            return _with_cpu_update(plan, config.offload.cpu_update, chunks)
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
@@ -429,26 +422,11 @@ def make_plan(
     )
 
 
-def _with_cpu_update(plan: Plan, share: float, chunks, measure_rates) -> Plan:
-    """`plan` with `share` of its host-memory chunks' parameters updated by the host's cores
-    (share -1: from `measure_rates()`, the share that makes the host and the device finish
-    together; none without it). They are spread over the update's order, so both work from
-    its start."""
+def _with_cpu_update(plan: Plan, share: float, chunks) -> Plan:
+    """`plan` with `share` of its host-memory chunks' parameters updated by the host's cores,
+    spread over the update's order, so that both the host and the device work from its
+    start."""
     host = [(k, m, s) for k, m, s in chunks if k not in plan.resident and k not in plan.on_ssd]
-    note = ""
-    if share == -1:
-        if measure_rates is None or not host:
-            return plan
-        cpu_rate, copy_rate = measure_rates()
-        # The device's update moves each parameter's master and state both ways.
-        moved = sum(m + s for _, m, s in host) / sum(m // 4 for _, m, _ in host)
-        device_rate = copy_rate / moved
-        share = cpu_rate / (cpu_rate + device_rate)
-        note = (
-            f"measured: the host's cores {cpu_rate / 1e9:.2f}G parameters/s, the device "
-            f"{device_rate / 1e9:.2f}G/s ({copy_rate / 1e9:.0f} GB/s copies, {moved:.0f} bytes "
-            "each way a parameter); "
-        )
     if share > 0 and jax.process_count() > 1:
         raise ConfigError(
             f"config.offload.cpu_update={share}: the hybrid update runs in one process only "
@@ -473,7 +451,7 @@ def _with_cpu_update(plan: Plan, share: float, chunks, measure_rates) -> Plan:
         state_bytes[name] -= nbytes
     state_bytes["CPU-updated chunks"] = sum(cpu.values())
     placement["CPU-updated chunks"] = HOST  # Plain host memory, not the pinned pool.
-    note += f"the host's cores update {taken / total:.0%} of the host chunks' parameters"
+    note = f"the host's cores update {taken / total:.0%} of the host chunks' parameters"
     return dataclasses.replace(
         plan,
         state_bytes=state_bytes,

@@ -10,6 +10,7 @@ host grad sums) holds on the device.
 
 import concurrent.futures as futures
 import functools
+import time
 from typing import NamedTuple
 
 import jax
@@ -153,7 +154,7 @@ class StreamedUpdate:
         self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
         self.ahead = max(1, in_flight // 2)
         self.most_in_flight = 0  # The most chunks on the device at once, as scheduled.
-        self._fns, self._indices = {}, {}
+        self._fns = {}
         # Per chunk, its leaves [master, *state] flat: the ones to move between tiers, with
         # their shardings on the device and at home. Built once: the loop is Python-bound
         # on small chunks.
@@ -177,7 +178,7 @@ class StreamedUpdate:
         """
         chunks, n = self.chunks, len(self.chunks)
         # The host's cores start on theirs (hybrid update) while the device works on its own.
-        on_cpu = self.cpu.update(grads, scale) if self.cpu else []
+        on_cpu = self.cpu.update(grads, scale, compute) if self.cpu else []
         stacked = {c.weight for c in chunks if c.layer is not None}
         masters, states = (
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -230,7 +231,7 @@ class StreamedUpdate:
                 grad = grad[c.layer]
             master, state, compute[c.weight] = self._fn(c, grad, compute[c.weight])(
                 grad,
-                self._index(c),
+                layer_index(c.master_sharding.mesh, c.layer or 0),
                 scale,
                 leaves[0],
                 state_def.unflatten(leaves[1:]),
@@ -253,17 +254,13 @@ class StreamedUpdate:
             # Fetched and not yet updated, or updated and maybe not yet home.
             on_device = len(fetched) + len(home) - gone
             self.most_in_flight = max(self.most_in_flight, on_device)
+        start = time.perf_counter()
         for c, new in on_cpu:
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
+        if self.cpu:  # Waited for the host's cores, and copying their weights up.
+            self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
         return tuples(masters), tuples(states), compute
-
-    def _index(self, c: Chunk):
-        """The chunk's layer as a device scalar, made once (no implicit transfer per step)."""
-        if c.layer not in self._indices:
-            replicated = NamedSharding(c.master_sharding.mesh, P())
-            self._indices[c.layer] = jax.device_put(np.int32(c.layer or 0), replicated)
-        return self._indices[c.layer]
 
     def _fn(self, c: Chunk, grad, compute):
         """The jitted update of one chunk: one program per weight, not per layer."""
@@ -292,16 +289,20 @@ class StreamedUpdate:
 
 
 def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.Array:
-    """The compute copy with `new` (a weight, or a layer of a stacked one, from the host's CPU
-    backend) in its place; a stacked copy is updated in place (donated)."""
+    """The compute copy with `new` (a weight, or a layer of a stacked one, in pinned host
+    memory) in its place; a stacked copy is updated in place (donated)."""
     if layer is None:
         out = jax.device_put(new, compute.sharding)
         compute.delete()
         return out
-    spec = P(*compute.sharding.spec[1:])
-    new = jax.device_put(new, NamedSharding(compute.sharding.mesh, spec))
-    index = jax.device_put(np.int32(layer), NamedSharding(compute.sharding.mesh, P()))
+    index = layer_index(compute.sharding.mesh, layer)
     return _set_layer(compute.sharding)(compute, new, index)
+
+
+@functools.cache
+def layer_index(mesh, layer: int) -> jax.Array:
+    """A layer as a replicated device scalar, made once (no host->device copy per step)."""
+    return jax.device_put(np.int32(layer), NamedSharding(mesh, P()))
 
 
 @functools.cache
