@@ -67,7 +67,7 @@ class Plan:
     resident: frozenset = frozenset()
     on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
     on_cpu: frozenset = frozenset()  # Update chunks the host's cores update (hybrid update).
-    cpu_note: str = ""  # How the hybrid update's share was chosen.
+    cpu_note: str = ""  # The hybrid update's share, for the plan's table.
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
