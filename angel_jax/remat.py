@@ -1,8 +1,9 @@
 """Remat policies: one table, read by config validation, the models and both memory planners.
 
 Each entry names its JAX checkpoint policy and what the planners need of it: the activations it
-keeps per layer and token for the backward pass (in d_model values of the compute dtype, on the
-device and in pinned host memory; the ZeRO-Cache planner's estimate), and, for the policies a
+keeps on the device per layer and token for the backward pass (in d_model values of the compute
+dtype; the ZeRO-Cache planner's estimate), the named activations it keeps in pinned host memory
+instead, and, for the policies a
 pipeline offers, the extra forward work it recomputes and the widths it keeps (the stage
 planner's finer model, checked against the compiled layer in tests/test_pipeline.py).
 """
@@ -13,8 +14,22 @@ from collections.abc import Callable
 
 import jax
 
-# Activations the layers name (checkpoint_name) so remat policies can save or offload them.
-OFFLOADABLE = ("qkv", "attn_out", "mlp_in")
+# Activations the layers name (checkpoint_name) so remat policies can save or offload them,
+# with their widths in units of (model dim, attention width, KV width, FFN width): a dense
+# Llama layer's Q, K and V; the attention output; the gate and up projections' outputs.
+OFFLOADABLE = {"qkv": (0, 1, 2, 0), "attn_out": (0, 1, 0, 0), "mlp_in": (0, 0, 0, 2)}
+
+
+def per_device_widths(
+    d_model: int, heads: int, kv_heads: int, head_dim: int, ffn_dim: int, tensor: int, sp: bool
+) -> tuple[float, float, float, float]:
+    """The unit widths above on one device: heads and FFN split over `tensor` (KV heads unless
+    fewer than its ranks), the model dim only in norm regions under sequence parallel (`sp`)."""
+    d = d_model / (tensor if sp else 1)
+    kv = kv_heads * head_dim / (tensor if kv_heads % tensor == 0 else 1)
+    return d, heads * head_dim / tensor, kv, ffn_dim / tensor
+
+
 # The residual stream entering a layer: what every remat policy keeps for the backward pass
 # (one d_model value per token and layer), and what config.offload.activations=host keeps in
 # pinned host memory instead.
@@ -53,6 +68,19 @@ _both = _policies.save_from_both_policies
 _experts = _policies.save_only_these_names("experts")
 _dots_no_batch = _both(_policies.dots_with_no_batch_dims_saveable, _experts)
 
+
+def _offloading(names) -> Remat:
+    """The policy that keeps the activations `names` in pinned host memory and recomputes the
+    rest (the layer input aside)."""
+    policy = _policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(names),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    return Remat(policy, 1, offloaded=tuple(names))
+
+
 # In the order a pipeline's `remat=auto` tries its policies: fastest first.
 REMATS = {
     "none": Remat(None, 34),
@@ -64,16 +92,7 @@ REMATS = {
     "dots_no_batch": Remat(_dots_no_batch, 10, (1, 0), (2, 1, 2, 2)),
     "full": Remat(_policies.nothing_saveable, 1, (1, 1), (1, 0, 0, 0)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
-    "offload_dots": Remat(
-        _policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
-            names_which_can_be_offloaded=list(OFFLOADABLE),
-            offload_src="device",
-            offload_dst="pinned_host",
-        ),
-        1,
-        offloaded=OFFLOADABLE,
-    ),
+    "offload_dots": _offloading(OFFLOADABLE),
 }
 # The layer policies a pipeline offers. Each keeps activations only (the residuals of every
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a

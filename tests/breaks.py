@@ -96,7 +96,7 @@ BREAKS = [
     (
         "offload_dots recomputes instead of offloading",
         "angel_jax/remat.py",
-        "names_which_can_be_offloaded=list(OFFLOADABLE),",
+        "names_which_can_be_offloaded=list(names),",
         "names_which_can_be_offloaded=[],",
         [
             "tests/test_offload.py::test_offloaded_activations_give_the_same_grads",

@@ -249,21 +249,27 @@ def test_ssd_tier_checkpoints_and_resumes(tmp_path, three_tiers):
     """The SSD chunks are saved inside the checkpoint and put back on disk on restore."""
     kw, _, _ = three_tiers
     config = small_config(offload__ssd_dir=str(tmp_path / "ssd"), **kw)
+    # The fresh experiment (a new process would build one) on a fresh SSD directory.
+    config2 = small_config(offload__ssd_dir=str(tmp_path / "ssd2"), **kw)
+    assert_resumes_identically(config, config2, tmp_path / "run")
+
+
+def assert_resumes_identically(config, config2, directory):
+    """Two steps of `config` saved in `directory` and restored by a fresh experiment of
+    `config2`: the same params, and the same next step (the chunks held outside the state
+    tree included)."""
     exp, state, _ = train(config, steps=2)
-    ckpt = Checkpointer(str(tmp_path / "run"), every_steps=1, keep=1)
+    ckpt = Checkpointer(str(directory), every_steps=1, keep=1)
     ckpt.save(2, exp.checkpointed(state), 2, exp.plan.policy)
     ckpt.close()
-    # A fresh experiment (a new process would build one) on a fresh SSD directory.
-    config2 = small_config(offload__ssd_dir=str(tmp_path / "ssd2"), **kw)
     exp2 = build(config2, make_mesh(config2.mesh))
-    restored, _ = Checkpointer(str(tmp_path / "run"), 1, 1).restore(
+    restored, _ = Checkpointer(str(directory), 1, 1).restore(
         2, exp2.checkpoint_target(), exp2.plan.policy
     )
     restored = exp2.from_checkpointed(restored)
     jax.tree.map(
         np.testing.assert_array_equal, exp2.params_numpy(restored), exp.params_numpy(state)
     )
-    # Training continues identically, the SSD chunks included.
     batch = exp.global_batch(make_batches(config)[2])
     restored, m1 = exp2.train_step(restored, batch)
     state, m2 = exp.train_step(state, batch)
@@ -324,25 +330,7 @@ def test_hybrid_update_checkpoints_and_resumes(tmp_path):
     config = small_config(
         offload__policy="optimizer", offload__cpu_update=0.5, zero_stage=1, mesh__data=8
     )
-    exp, state, _ = train(config, steps=2)
-    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
-    ckpt.save(2, exp.checkpointed(state), 2, exp.plan.policy)
-    ckpt.close()
-    exp2 = build(config, make_mesh(config.mesh))
-    restored, _ = Checkpointer(str(tmp_path), 1, 1).restore(
-        2, exp2.checkpoint_target(), exp2.plan.policy
-    )
-    restored = exp2.from_checkpointed(restored)
-    jax.tree.map(
-        np.testing.assert_array_equal, exp2.params_numpy(restored), exp.params_numpy(state)
-    )
-    batch = exp.global_batch(make_batches(config)[2])
-    restored, m1 = exp2.train_step(restored, batch)
-    state, m2 = exp.train_step(state, batch)
-    assert float(m1["loss"]) == float(m2["loss"])
-    jax.tree.map(
-        np.testing.assert_array_equal, exp2.params_numpy(restored), exp.params_numpy(state)
-    )
+    assert_resumes_identically(config, config, tmp_path)
 
 
 def test_hybrid_share_is_spread_over_the_update():
@@ -607,8 +595,8 @@ def test_layer_inputs_in_host_memory_give_the_same_grads(mlp_chunks):
 def test_offloaded_activations_live_in_host_memory_on_gpu(remat, activations, host_state):
     """The compiled step's host-memory temporaries are the plan's host activations (the
     stacked layer inputs, or offload_dots's matmul outputs), and the device's temporaries
-    shrink by about as much against keeping them there (remat full, or dots_no_batch, with
-    the layer inputs on the device)."""
+    shrink by at least half as much against keeping them there (remat full, or dots_no_batch,
+    with the layer inputs on the device)."""
 
     def compiled(remat, activations):
         config = small_config(
@@ -632,7 +620,7 @@ def test_offloaded_activations_live_in_host_memory_on_gpu(remat, activations, ho
     # The plan's bytes are exact: 16 layers x 16384 tokens x 512 (layer inputs) or x 3584
     # (q, k, v, attention output, gate, up) x 2 bytes.
     assert host == pytest.approx(memory.host_temp_size_in_bytes, rel=0.02)
-    # Two layers' worth stay on the device: the copies in flight each way.
+    # Not all of it: some stays on the device, the copies in flight each way.
     saved = on_device.memory_analysis().temp_size_in_bytes - memory.temp_size_in_bytes
     assert saved >= 0.5 * host, (saved, host)
     assert "S(5)" in program.as_text()  # Host memory space in the compiled HLO's layouts.

@@ -138,9 +138,7 @@ class Attention(nn.Module):
         if split and CONTEXT in (split if isinstance(split, tuple) else (split,)):
             # Ring attention's zigzag: the model sees its tokens in this order.
             positions = jnp.asarray(zigzag_order(length, mesh.shape[CONTEXT]))
-        if self.rope:
-            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta, self.rope_scaling)
-            k_BTKH = apply_rope(k_BTKH, positions, self.rope_theta, self.rope_scaling)
+        q_BTNH, k_BTKH = self._rotate(q_BTNH, k_BTKH, positions)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         if sharding.rule("kv_heads") != sharding.rule("heads"):
             # KV heads are replicated where query heads are split (fewer KV heads than tensor
@@ -179,23 +177,26 @@ class Attention(nn.Module):
         )
         return out(o_BTNH)
 
+    def _rotate(self, q_BTNH, k_BTKH, positions):
+        """Queries and keys with the rotary embedding of `positions` (if the layer has it)."""
+        if not self.rope:
+            return q_BTNH, k_BTKH
+        rotate = lambda x: apply_rope(x, positions, self.rope_theta, self.rope_scaling)
+        return rotate(q_BTNH), rotate(k_BTKH)
+
     def _attend_cached(self, q_BTNH, new_k, new_v, k_BSKH, v_BSKH, start):
         """The new tokens' attention over the cache, after writing their keys and values
-        into it at `start`: (o (B, T, N, H), (k, v))."""
-        n, (k, h) = self.num_heads, k_BSKH.shape[2:]
+        into it at `start`: (o (B, T, N, H), (k, v)). XLA's attention: a few new tokens."""
         positions = start + jnp.arange(q_BTNH.shape[1])
-        if self.rope:
-            q_BTNH = apply_rope(q_BTNH, positions, self.rope_theta, self.rope_scaling)
-            new_k = apply_rope(new_k, positions, self.rope_theta, self.rope_scaling)
+        q_BTNH, new_k = self._rotate(q_BTNH, new_k, positions)
         k_BSKH = jax.lax.dynamic_update_slice_in_dim(k_BSKH, new_k.astype(k_BSKH.dtype), start, 1)
         v_BSKH = jax.lax.dynamic_update_slice_in_dim(v_BSKH, new_v.astype(v_BSKH.dtype), start, 1)
-        b, t = q_BTNH.shape[:2]
-        q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)  # Query head i reads kv head i // G.
-        scores = jnp.einsum(
-            "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-        )
-        scores = scores * (h**-0.5 if self.scale is None else self.scale)
         visible_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= positions[:, None]
-        probs = jax.nn.softmax(jnp.where(visible_TS, scores, -jnp.inf), axis=-1)
-        o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs.astype(self.dtype), v_BSKH)
-        return o_BTKGH.reshape(b, t, n, h), (k_BSKH, v_BSKH)
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH.astype(k_BSKH.dtype),
+            k_BSKH,
+            v_BSKH,
+            mask=visible_TS[None, None],
+            scale=self.scale,
+        )
+        return o_BTNH.astype(self.dtype), (k_BSKH, v_BSKH)

@@ -9,12 +9,12 @@ updates several chunks at once: on the H200 machine's 16 cores, AdamW reached 0.
 on one thread and 1.4-1.5G on 4 to 14, where the memory bus saturates
 (`experiments/results/host_update_rate.json`).
 
-Measured there on llama_1b (`offload_policies_llama_1b.json`), the hybrid update is slower than
-the device's alone: 0.43-0.50 s a step for shares of 24-37% against 0.34 s. The host's path is
-not what limits it (the device's chunks finish last), but the device's path slows down beside
-it: both stream through the host's memory (the copies at about 2 x 38 GB/s, the update at about
-30 bytes a parameter) and the device's Python-driven loop shares the interpreter with the
-pool. So `config.offload.cpu_update` is 0 unless set.
+Measured there on llama_1b (`offload_policies_llama_1b_hybrid.json`), the hybrid update is
+slower than the device's alone: 0.43-0.50 s a step for shares of 24-37% against 0.34 s. The
+host's path is not what limits it (the device's chunks finish last), but the device's path
+slows down beside it: both stream through the host's memory (the copies at about 2 x 38
+GB/s, the update at about 30 bytes a parameter) and the device's Python-driven loop shares the
+interpreter with the pool. So `config.offload.cpu_update` is 0 unless set.
 """
 
 import collections
@@ -29,10 +29,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from angel_jax.offload.planner import HOST
 from angel_jax.offload.stream import layer_index
 from angel_jax.optim import Optimizer
 
-PINNED = "pinned_host"
 THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # Past 4 the memory bus is the limit.
 
 
@@ -65,8 +65,8 @@ class CPUTier:
 
     def read_all(self) -> list:
         """Every chunk's (master, state) as numpy arrays, in order: copies, since the next
-        update writes into its inputs' buffers (donated: fresh buffers would cost a page fault
-        a page, and ran at a fifth of the speed on the CPU)."""
+        update writes into its inputs' buffers (donated: fresh output buffers cost a page
+        fault a page, and ran several times slower in a first try on a 2-core CPU)."""
         return [jax.tree.map(np.array, self._values[c.key]) for c in self.chunks]
 
     def wait(self) -> None:
@@ -84,13 +84,13 @@ class CPUTier:
         scale = jax.device_put(scale, self.cpu)
         pending = []
         for c in self.chunks:
-            grad, up = grads[c.weight], compute[c.weight].sharding.with_memory_kind(PINNED)
+            grad, up = grads[c.weight], compute[c.weight].sharding.with_memory_kind(HOST)
             if isinstance(grad, tuple):
                 grad = grad[c.layer]
             elif c.layer is not None:
                 grad = _layer(grad, c.layer)
             if c.layer is not None:
-                up = NamedSharding(up.mesh, P(*up.spec[1:]), memory_kind=PINNED)
+                up = NamedSharding(up.mesh, P(*up.spec[1:]), memory_kind=HOST)
             pending.append((c, self._pool.submit(self._update, c, grad, scale, up)))
         return pending
 
@@ -99,7 +99,7 @@ class CPUTier:
         the GPU and the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through
         pinned memory at 25 (`host_transfer_rate.json`)."""
         start = time.perf_counter()
-        grad = jax.device_put(grad, grad.sharding.with_memory_kind(PINNED))  # The device's DMA.
+        grad = jax.device_put(grad, grad.sharding.with_memory_kind(HOST))  # The device's DMA.
         grad = jax.device_put(np.asarray(grad), self.cpu)
         copied = time.perf_counter()
         master, state = self._values[c.key]

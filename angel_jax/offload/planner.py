@@ -42,7 +42,7 @@ import numpy as np
 
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
-from angel_jax.remat import REMATS
+from angel_jax.remat import OFFLOADABLE, REMATS, per_device_widths
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -194,19 +194,19 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     # Batch splits over data and expert, positions over context and sequence.
     splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
     tokens = t.batch_size // t.microbatches * t.seq_len / splits
-    unit = (  # One compute-dtype value per d_model channel, layer and token.
-        m.num_layers * tokens * m.d_model * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
-    )
+    itemsize, tensor = np.dtype(m.dtype).itemsize, mesh.shape[TENSOR]
+    # One compute-dtype value per d_model channel, layer and token.
+    unit = m.num_layers * tokens * m.d_model * itemsize / tensor
     remat = REMATS[m.remat]
     hd = head_dim(m)
-    # Values per token and layer of each name a layer gives its activations (remat.OFFLOADABLE).
-    widths = {
-        "qkv": (m.num_heads + 2 * m.num_kv_heads) * hd,
-        "attn_out": m.num_heads * hd,
-        "mlp_in": 2 * m.ffn_dim,
-    }
-    on_host = sum(widths[name] for name in remat.offloaded) / m.d_model
-    logits = 2 * tokens * m.vocab_size * 4 / mesh.shape[TENSOR] / m.logits_chunks
+    # Values per token, layer and device of the named activations the policy offloads.
+    widths = per_device_widths(
+        m.d_model, m.num_heads, m.num_kv_heads, hd, m.ffn_dim, tensor, m.sequence_parallel
+    )
+    on_host = sum(
+        u * w for name in remat.offloaded for u, w in zip(OFFLOADABLE[name], widths, strict=True)
+    )
+    logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
     working = 0
     if m.remat != "none":
         # One layer's backward holds what it recomputes: about 8 d_model-wide and 6 ffn-wide
@@ -214,11 +214,11 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         # compiled step at 524k tokens on the H200 (97.1 GiB of temporaries, full remat).
         ffn = m.ffn_dim if not m.num_experts else (m.moe_ffn_dim or m.ffn_dim)
         width = WORKING_WIDTHS[0] * m.d_model + WORKING_WIDTHS[1] * ffn / m.mlp_chunks
-        working = tokens * width * np.dtype(m.dtype).itemsize / mesh.shape[TENSOR]
+        working = tokens * width * itemsize / tensor
     return {
         "layer inputs": int(unit),
         "activations": int((remat.saved - 1) * unit + working + logits),
-        "offloaded activations": int(on_host * unit),
+        "offloaded activations": int(m.num_layers * tokens * on_host * itemsize),
     }
 
 
@@ -270,7 +270,7 @@ def make_plan(
     offloaded_masters,
     opt,
     stacked,
-    inputs_offloadable: bool = False,
+    inputs_offloadable: bool,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 

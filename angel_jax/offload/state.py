@@ -32,8 +32,8 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
     """Shapes and shardings of masters and optimizer state in the streamed update's layout:
     stacked weights split into one array per layer, each sharded like a layer slice of its
     (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
-    Chunks on the SSD tier are None there. Also returns every update chunk, in update order
-    (with its shardings on the device). Chunks on the SSD or CPU tier are None there."""
+    Chunks on the SSD or CPU tier are None there. Also returns every update chunk, in update
+    order (with its shardings on the device)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
 

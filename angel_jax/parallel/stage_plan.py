@@ -35,7 +35,7 @@ from angel_jax.family import DecoderShape
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
-from angel_jax.remat import REMATS, STAGE_REMATS
+from angel_jax.remat import REMATS, STAGE_REMATS, per_device_widths
 
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
@@ -267,11 +267,16 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     state = (layout.slots * v * layer_params + shared) * per_param / tp
     dtype_bytes = np.dtype(cfg.dtype).itemsize
-    # Per device: heads and FFN split over `tensor` (KV heads unless fewer than its ranks), the
-    # model dim only in norm regions under sequence parallel.
-    d = cfg.d_model / (tp if config.model.sequence_parallel else 1)
-    kv = cfg.num_kv_heads * cfg.head_dim / (tp if cfg.num_kv_heads % tp == 0 else 1)
-    widths = (d, cfg.num_heads * cfg.head_dim / tp, kv, cfg.ffn_dim / tp)
+    widths = per_device_widths(
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.ffn_dim,
+        tp,
+        config.model.sequence_parallel,
+    )
+    d = widths[0]
     units = REMATS[effective_remat(cfg, remat)].widths
     saved = sum(u * w for u, w in zip(units, widths, strict=True))
     # Per slot: a chunk's layer slots' residuals and the head's input; one slot more for the
