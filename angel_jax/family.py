@@ -45,7 +45,7 @@ class Pieces:
     final_norm(cfg, params, h_BTD): the states the LM head reads.
     lm_head(cfg, params): h (..., D) -> logits (..., V) in the compute dtype.
     decode_layer(cfg, layer_params, h_BTD, k_BSKH, v_BSKH, start): one layer over new tokens
-        with its KV cache -> (h, k, v), or None (no generation): the training layer's module
+        with its KV cache -> (h, (k, v)), or None (no generation): the training layer's module
         in its decoding mode (one model, two modes), not a second copy of the layer.
     kv_heads(cfg): the cache's heads.
     unrolled_name: the format of a layer's params name when layers are not scanned.

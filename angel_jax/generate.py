@@ -59,8 +59,7 @@ def forward_with_cache(pieces, cfg, params, tokens_BT, cache: dict, start):
 
     def step(h_BTD, layer_cache):
         p, k_BSKH, v_BSKH = layer_cache
-        h_BTD, k_BSKH, v_BSKH = pieces.decode_layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)
-        return h_BTD, (k_BSKH, v_BSKH)
+        return pieces.decode_layer(cfg, p, h_BTD, k_BSKH, v_BSKH, start)  # (h, (k, v)).
 
     layers = (stacked_layers(pieces, cfg, params), cache["k"], cache["v"])
     h_BTD, (k, v) = jax.lax.scan(step, h_BTD, layers)

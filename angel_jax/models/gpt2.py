@@ -103,11 +103,8 @@ def lm_head(cfg: ClassicConfig, params):
 
 def decode_layer(cfg: ClassicConfig, p, h_BTD, k_BSKH, v_BSKH, start):
     """`GPT2Block` in its decoding mode: the new tokens at positions start.., with its KV cache
-    -> (h, k, v)."""
-    h_BTD, (k_BSKH, v_BSKH) = GPT2Block(cfg).apply(
-        {"params": p}, h_BTD, None, cache=(k_BSKH, v_BSKH, start)
-    )
-    return h_BTD, k_BSKH, v_BSKH
+    -> (h, (k, v))."""
+    return GPT2Block(cfg).apply({"params": p}, h_BTD, None, cache=(k_BSKH, v_BSKH, start))
 
 
 FAMILY = Family(

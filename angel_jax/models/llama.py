@@ -336,11 +336,8 @@ def final_norm(cfg: LlamaConfig, params, h_BTD: jax.Array) -> jax.Array:
 
 def decode_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
     """`DecoderLayer` in its decoding mode: the new tokens at positions start.., with its KV
-    cache -> (h, k, v)."""
-    h_BTD, (k_BSKH, v_BSKH) = DecoderLayer(cfg).apply(
-        {"params": p}, h_BTD, cache=(k_BSKH, v_BSKH, start)
-    )
-    return h_BTD, k_BSKH, v_BSKH
+    cache -> (h, (k, v))."""
+    return DecoderLayer(cfg).apply({"params": p}, h_BTD, cache=(k_BSKH, v_BSKH, start))
 
 
 FAMILY = Family(
