@@ -50,6 +50,11 @@ POLICIES = ("none", "optimizer", "params", "auto")
 # Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
 USABLE = 0.95
 ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
+# States alive only during the jitted forward/backward, and only during the streamed update
+# that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
+# 8B step peaked at 80 GiB where their sum came to 97).
+STEP_ONLY = (*ACTIVATIONS, "layers in flight")
+UPDATE_ONLY = ("update chunks",)
 # A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
 WORKING_WIDTHS = (8, 6)
 
@@ -92,8 +97,12 @@ class Plan:
         return self.placement.get("layer inputs") == HOST
 
     def tier_bytes(self, tier: str) -> int:
-        """Bytes per device in `tier` (the streamed update's chunks count as states)."""
-        return sum(b for s, b in self.state_bytes.items() if self.placement[s] == tier)
+        """Peak bytes per device in `tier`: the lasting states, and the larger of what the step
+        and what the streamed update hold for a while."""
+        held = {s: b for s, b in self.state_bytes.items() if self.placement[s] == tier}
+        step = sum(held.pop(s, 0) for s in STEP_ONLY)
+        update = sum(held.pop(s, 0) for s in UPDATE_ONLY)
+        return sum(held.values()) + max(step, update)
 
     def bytes_per_param(self) -> float:
         """Device + host memory of the model states (not activations), over all devices, per
@@ -113,7 +122,8 @@ class Plan:
             lines.append(f"  {state:<22} {self.placement[state]:<12} {gib(nbytes)}")
         for tier in self.budget:
             used, budget = self.tier_bytes(tier), self.budget[tier]
-            lines.append(f"  {'total ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
+            lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
+        lines.append("  (a peak counts the step's activations or the update's chunks, the larger)")
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
             lines.append(f"  hybrid update: {self.cpu_note}")
@@ -468,12 +478,12 @@ def check_compiled(plan: Plan, memory) -> None:
     planner's activation estimate."""
     if memory is None:  # A backend without the analysis: the planner's estimate stands.
         return
-    estimate = sum(  # The device's activations, which the compiled temporaries hold.
-        plan.state_bytes.get(s, 0)
-        for s in ("activations", "layer inputs")
-        if plan.placement.get(s) == DEVICE
-    )
-    need = plan.tier_bytes(DEVICE) - estimate + memory.temp_size_in_bytes
+    # The device's activations, which the compiled temporaries hold.
+    on_device = [s for s in ("activations", "layer inputs") if plan.placement.get(s) == DEVICE]
+    estimate = sum(plan.state_bytes[s] for s in on_device)
+    compiled = {**plan.state_bytes, **dict.fromkeys(on_device, 0)}
+    compiled["activations"] = memory.temp_size_in_bytes
+    need = dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
     usable = USABLE * plan.budget[DEVICE]
     if need > usable:
         fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
