@@ -345,7 +345,7 @@ def choose(setting: str, value, options) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks settings that do not depend on the devices (mesh checks live in mesh.py), one
-    section at a time."""
+    section at a time; `angel_jax.models.validate` adds the family's features before them."""
     _validate_family(config)
     _validate_features(config)
     _validate_model(config.model)
@@ -580,12 +580,10 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
             f"config.train.seq_len={config.train.seq_len} is longer than the position table, "
             f"config.model.max_positions={m.max_positions}; raise max_positions or shorten it"
         )
-    splits_sequence = config.mesh.context != 1 or config.mesh.sequence != 1
-    if splits_sequence and (d.packing or family != "llama"):
+    if d.packing and (config.mesh.context != 1 or config.mesh.sequence != 1):
         raise ConfigError(
-            f"config.model.family={family} with config.data.packing={d.packing} needs the whole "
-            "sequence per device (masks, learned positions, bidirectional or cross attention): "
-            "set config.mesh.context=1 and config.mesh.sequence=1"
+            "config.data.packing needs the whole sequence per device (its segment masks): set "
+            "config.mesh.context=1 and config.mesh.sequence=1, or config.data.packing=false"
         )
     if d.packing and (config.mesh.pipeline > 1 or m.logits_chunks > 1):
         raise ConfigError(
@@ -610,23 +608,3 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
         )
     if d.mean_span_length < 1:
         raise ConfigError(f"config.data.mean_span_length={d.mean_span_length}: must be >= 1")
-    if family == "llama":
-        return
-    llama_only = {
-        "config.mesh.pipeline > 1": config.mesh.pipeline > 1,
-        "config.model.num_experts > 0": m.num_experts > 0,
-        "config.model.logits_chunks > 1": m.logits_chunks > 1,
-        "config.model.mlp_chunks > 1": m.mlp_chunks > 1,
-        "config.offload.activations=host": config.offload.activations == "host",
-        "config.fp8.matmul": config.fp8.matmul,
-        "config.fp8.lm_head": config.fp8.lm_head,
-        "config.fp8.collectives": config.fp8.collectives,
-        "config.offload.policy other than none": config.offload.policy != "none",
-        "config.train.powersgd_rank > 0": config.train.powersgd_rank > 0,
-    }
-    used = [name for name, on in llama_only.items() if on]
-    if used:
-        raise ConfigError(
-            f"config.model.family={family} does not support {', '.join(used)} (Llama only for "
-            "now); turn it off or use config.model.family=llama"
-        )

@@ -2,9 +2,10 @@
 the generator import this interface and never a family.
 
 A family gives its config from the settings, its Flax module (the whole model: `init` and the
-plain train step) and, where it has them, its `Pieces`: the model cut into the parts that the
-pipeline, the chunked LM head and KV-cache generation apply one at a time. A family without
-pieces does not support what needs them (`config.validate` says so in one line).
+plain train step), where it has them its `Pieces` (the model cut into the parts that the
+pipeline, the chunked LM head and KV-cache generation apply one at a time), the `FEATURES` it
+supports (`angel_jax.models.validate` refuses the others in one line) and its Hugging Face
+converter (a module of angel_jax/interop/, named with the checkpoints' `model_type`s it reads).
 """
 
 import dataclasses
@@ -60,6 +61,30 @@ class Pieces:
     decode_layer: Callable | None = None
 
 
+# What a family may support beyond plain data- and tensor-parallel training: each feature with
+# the settings that turn it on and a test of the config for them.
+FEATURES: dict[str, tuple[str, Callable[[ml_collections.ConfigDict], bool]]] = {
+    "pipeline": ("config.mesh.pipeline > 1", lambda c: c.mesh.pipeline > 1),
+    "sequence split": (
+        "config.mesh.context or config.mesh.sequence > 1 (it needs the whole sequence per "
+        "device: masks, learned positions, bidirectional or cross attention)",
+        lambda c: c.mesh.context > 1 or c.mesh.sequence > 1,
+    ),
+    "experts": ("config.model.num_experts > 0", lambda c: c.model.num_experts > 0),
+    "chunked logits": ("config.model.logits_chunks > 1", lambda c: c.model.logits_chunks > 1),
+    "chunked MLP": ("config.model.mlp_chunks > 1", lambda c: c.model.mlp_chunks > 1),
+    "fp8": (
+        "config.fp8.matmul, lm_head or collectives",
+        lambda c: c.fp8.matmul or c.fp8.lm_head or c.fp8.collectives,
+    ),
+    "offload": (
+        "config.offload.policy other than none or config.offload.activations=host",
+        lambda c: c.offload.policy != "none" or c.offload.activations == "host",
+    ),
+    "powersgd": ("config.train.powersgd_rank > 0", lambda c: c.train.powersgd_rank > 0),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
@@ -70,6 +95,19 @@ class Family:
     # Its layers name their input remat.LAYER_INPUT and take `layer_input_on_host` in their
     # config: the ZeRO-Cache planner may then keep the layer inputs in host memory.
     offloads_layer_inputs: bool = False
+    features: frozenset[str] = frozenset()  # Keys of FEATURES.
+    # Its Hugging Face converter, a module of angel_jax/interop/ (see its __init__), and the
+    # checkpoints' `model_type`s it reads.
+    converter: str | None = None
+    hf_model_types: tuple[str, ...] = ()
+
+    def unsupported(self, config: ml_collections.ConfigDict) -> list[str]:
+        """The settings of `config` that turn on a feature this family lacks."""
+        return [
+            setting
+            for name, (setting, used) in FEATURES.items()
+            if name not in self.features and used(config)
+        ]
 
     def example_inputs(self, tokens_BT: jax.Array) -> tuple:
         """The positional inputs `init` needs (param shapes do not depend on their lengths)."""

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from angel_jax import sharding
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError
-from angel_jax.models import FAMILIES, family_of
+from angel_jax.models import FAMILIES, family_of, load_params
 from angel_jax.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", None, "kv_heads", "head_dim")
@@ -192,8 +192,6 @@ def load_params_for(exp, checkpoint: str | None):
             raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there")
         return exp.from_checkpointed(found.state).params
     if exp.config.init_from_hf:
-        from angel_jax.interop import load_params
-
         abstract, shardings = exp.abstract_state.params, exp.state_sharding.params
         return load_params(exp.config.init_from_hf, abstract, shardings, "config.init_from_hf")
     raise ConfigError(

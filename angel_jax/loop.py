@@ -12,7 +12,8 @@ import ml_collections
 import numpy as np
 
 from angel_jax import kernels
-from angel_jax.config import ConfigError, validate
+from angel_jax.config import ConfigError
+from angel_jax.models import validate
 from angel_jax.monitor import Stopped, StopRequest
 from angel_jax.state_layout import TrainState
 from angel_jax.train import Experiment, build

@@ -1,11 +1,11 @@
-"""Remat policies: one table, read by config validation, the models and both memory planners.
+"""Remat policies: one table, read by config validation, the models and both memory planners
+(through angel_jax/memory.py).
 
-Each entry names its JAX checkpoint policy and what the planners need of it: the activations it
-keeps on the device per layer and token for the backward pass (in d_model values of the compute
-dtype; the ZeRO-Cache planner's estimate), the named activations it keeps in pinned host memory
-instead, and, for the policies a
-pipeline offers, the extra forward work it recomputes and the widths it keeps (the stage
-planner's finer model, checked against the compiled layer in tests/test_pipeline.py).
+Each entry names its JAX checkpoint policy and what the planners need of it: the values it
+keeps on the device per layer and token for the backward pass, in widths of (model dim,
+attention width, KV width, FFN width) of the compute dtype (checked against the compiled layer
+in tests/test_pipeline.py), the named activations it keeps in pinned host memory instead, and,
+for the policies a pipeline offers, the share of the forward work it recomputes.
 """
 
 import dataclasses
@@ -18,16 +18,6 @@ import jax
 # with their widths in units of (model dim, attention width, KV width, FFN width): a dense
 # Llama layer's Q, K and V; the attention output; the gate and up projections' outputs.
 OFFLOADABLE = {"qkv": (0, 1, 2, 0), "attn_out": (0, 1, 0, 0), "mlp_in": (0, 0, 0, 2)}
-
-
-def per_device_widths(
-    d_model: int, heads: int, kv_heads: int, head_dim: int, ffn_dim: int, tensor: int, sp: bool
-) -> tuple[float, float, float, float]:
-    """The unit widths above on one device: heads and FFN split over `tensor` (KV heads unless
-    fewer than its ranks), the model dim only in norm regions under sequence parallel (`sp`)."""
-    d = d_model / (tensor if sp else 1)
-    kv = kv_heads * head_dim / (tensor if kv_heads % tensor == 0 else 1)
-    return d, heads * head_dim / tensor, kv, ffn_dim / tensor
 
 
 # The residual stream entering a layer: what every remat policy keeps for the backward pass
@@ -46,18 +36,12 @@ def flash_attention_saveable(prim, *_, **__) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Remat:
     policy: Callable | None  # For jax.checkpoint; None: no remat.
-    # Saved on the device per layer and token in d_model values: about 34 with nothing
-    # recomputed (Korthikanti et al. 2022, flash attention), ~10 for the weight matmuls'
-    # outputs, 1 for the layer input that remat always keeps. (A policy that recomputes also
-    # holds one layer's recomputed temporaries in its backward: offload/planner.py.)
-    saved: int
-    # Pipelines only (None: not offered there). The share of the layer's attention and of its
-    # weight matmuls recomputed in a backward; the values kept per token in units of (model
-    # dim, attention width, KV width, FFN width): the layer's input, then Q, K, V, the
-    # attention output's projection and the gate and up projections for the dots policies,
-    # and cuDNN's attention output for dots_attention (its statistics are a few bytes a head).
+    # Kept on the device per layer and token, in units of (model dim, attention width, KV
+    # width, FFN width), the layer's input included.
+    widths: tuple[float, float, float, float]
+    # Pipelines only (None: not offered there): the share of the layer's attention and of its
+    # weight matmuls recomputed in a backward.
     recompute: tuple[int, int] | None = None
-    widths: tuple[int, int, int, int] | None = None
     offloaded: tuple[str, ...] = ()  # The named activations it keeps in pinned host memory.
 
 
@@ -78,26 +62,30 @@ def _offloading(names) -> Remat:
         offload_src="device",
         offload_dst="pinned_host",
     )
-    return Remat(policy, 1, offloaded=tuple(names))
+    return Remat(policy, (1, 0, 0, 0), offloaded=tuple(names))
 
 
 # In the order a pipeline's `remat=auto` tries its policies: fastest first.
 REMATS = {
-    "none": Remat(None, 34),
-    "dots": Remat(_both(_policies.checkpoint_dots, _experts), 14),
-    # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch).
-    "dots_attention": Remat(
-        _both(_dots_no_batch, flash_attention_saveable), 11, (0, 0), (2, 2, 2, 2)
-    ),
-    "dots_no_batch": Remat(_dots_no_batch, 10, (1, 0), (2, 1, 2, 2)),
-    "full": Remat(_policies.nothing_saveable, 1, (1, 1), (1, 0, 0, 0)),
+    # Everything: the layer's input, norms' float32 intermediates (twice the values), Q, K, V,
+    # the attention output, the MLP's four (M, F) values; under XLA's attention also each
+    # head's (T, T) scores, which this model leaves out (the compiled-step check sees them).
+    "none": Remat(None, (14, 2, 2, 6)),
+    # dots_no_batch's values, and on XLA's attention its batched dots (the scores again).
+    "dots": Remat(_both(_policies.checkpoint_dots, _experts), (2, 1, 2, 2)),
+    # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch): the layer
+    # input, Q, K, V, the attention output's projection, the gate and up projections, and
+    # cuDNN's attention output (its statistics are a few bytes a head).
+    "dots_attention": Remat(_both(_dots_no_batch, flash_attention_saveable), (2, 2, 2, 2), (0, 0)),
+    "dots_no_batch": Remat(_dots_no_batch, (2, 1, 2, 2), (1, 0)),
+    "full": Remat(_policies.nothing_saveable, (1, 0, 0, 0), (1, 1)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
     "offload_dots": _offloading(OFFLOADABLE),
 }
 # The layer policies a pipeline offers. Each keeps activations only (the residuals of every
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
 # copy of it per slot).
-STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.widths is not None)
+STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
 
 
 _input_to_host = _policies.save_and_offload_only_these_names(

@@ -3,7 +3,6 @@
 PowerSGD's factors), decided once from the config, the mesh and the params' shapes."""
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax
@@ -15,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError
+from angel_jax.memory import zero_splits
 from angel_jax.offload.cpu import CPUTier
 from angel_jax.offload.planner import CPU, HOST, SSD, Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
@@ -74,21 +74,23 @@ def make_state_layout(
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(p, stacked), abstract_params)
 
     stage = config.zero_stage
-    specs = functools.partial(sharding.state_specs, logical, abstract_params, mesh, rules)
+    specs = lambda state: sharding.state_specs(
+        logical, abstract_params, mesh, rules, zero_splits(state, stage)
+    )
     # State shaped like its parameter (moments) takes its (ZeRO) layout; the rest (step
     # counts, factored moments) is small and replicated.
     opt_specs = jax.tree.map(
         lambda spec, p, leaf_state: jax.tree.map(
             lambda x: spec if x.shape == p.shape else P(), leaf_state
         ),
-        specs(stage >= 1),
+        specs("optimizer state"),
         abstract_params,
         abstract_opt,
     )
-    param_sharding = sharding.named(mesh, specs(stage >= 3))
-    grad_sharding = sharding.named(mesh, specs(stage >= 2))
+    param_sharding = sharding.named(mesh, specs("params"))
+    grad_sharding = sharding.named(mesh, specs("grads"))
     # Offloaded masters are updated where their optimizer state is: in its ZeRO layout.
-    offloaded_master_sharding = sharding.named(mesh, specs(stage >= 1))
+    offloaded_master_sharding = sharding.named(mesh, specs("optimizer state"))
     opt_sharding = sharding.named(mesh, opt_specs)
     plan = make_plan(
         config,

@@ -18,10 +18,10 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 
 from angel_jax import sharding
-from angel_jax.config import objective, validate
+from angel_jax.config import objective
 from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
-from angel_jax.models import family_of
+from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
 from angel_jax.offload.planner import Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
@@ -80,8 +80,6 @@ class Experiment:
     def _init_from_hf(self, rng) -> TrainState:
         """The state around params imported from config.init_from_hf, each loaded straight
         into its sharding (validate limits this to the plain layout: no pipeline, no offload)."""
-        from angel_jax.interop import load_params
-
         params = load_params(
             self.config.init_from_hf,
             self.abstract_state.params,
@@ -199,8 +197,6 @@ class Experiment:
 def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
-        from angel_jax.interop import apply_checkpoint_architecture
-
         apply_checkpoint_architecture(config)
         validate(config)
     rules = sharding.axis_rules(config, mesh)

@@ -105,6 +105,16 @@ def memory_report(event: str) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB.
     device = stats.get("peak_bytes_in_use", 0) / 2**30
     print(f"{event}: device peak {device:.1f} GiB, host peak RSS {rss:.1f} GiB", file=sys.stderr)
+    try:  # Where the resident memory is: anonymous, shared, file-backed, locked (pinned).
+        with open("/proc/self/smaps_rollup") as f:
+            kinds = {
+                k: int(v.split()[0]) / 2**20
+                for k, v in (line.split(":", 1) for line in f)
+                if k in ("Rss", "Anonymous", "Shared_Clean", "Shared_Dirty", "Locked")
+            }
+        print("  now, GiB: " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()), file=sys.stderr)
+    except (OSError, ValueError):
+        pass
 
 
 def child(a, layers, optimizer, policy) -> dict:

@@ -1,6 +1,7 @@
 """The model zoo: GPT-2, BERT and T5 train through the same trainer and sharding rules as
 Llama; packed rows compute what their documents do alone; the objectives' batch builders."""
 
+import importlib
 import pathlib
 
 import jax
@@ -10,6 +11,7 @@ import optax
 import pytest
 from flax import linen as nn
 
+from angel_jax import models
 from angel_jax.config import ConfigError, default_config, load_config, validate
 from angel_jax.data import make_batches
 from angel_jax.data.objectives import (
@@ -21,6 +23,7 @@ from angel_jax.data.objectives import (
     span_shape,
     split_fields,
 )
+from angel_jax.family import FEATURES
 from angel_jax.losses import objective_loss
 from angel_jax.mesh import make_mesh
 from angel_jax.models import FAMILIES, make_model
@@ -274,10 +277,15 @@ def test_row_builder_is_deterministic_and_split_invariant(family):
     [
         (dict(model__family="bert", train__objective="causal"), "train.objective"),
         (dict(model__family="t5", data__packing=True), "data.packing"),
-        (dict(model__family="bert", mesh__context=2), "mesh.context=1"),
-        (dict(model__family="gpt2", mesh__context=2), "mesh.context=1"),
+        (dict(model__family="bert", mesh__context=2), "does not support config.mesh.context"),
+        (dict(model__family="gpt2", mesh__context=2), "does not support config.mesh.context"),
+        (dict(data__packing=True, mesh__context=2), "mesh.context=1"),
         (dict(model__family="gpt2", train__seq_len=2048), "max_positions"),
-        (dict(model__family="gpt2", model__num_experts=4), "Llama only"),
+        (
+            dict(model__family="gpt2", model__num_experts=4),
+            r"gpt2 does not support config.model.num_experts > 0: .*config.model.family=llama",
+        ),
+        (dict(model__family="t5", fp8__matmul=True), "does not support config.fp8.matmul"),
         (dict(model__family="gpt3"), "model.family"),
         (dict(data__packing=True, mesh__pipeline=2), "mesh.pipeline=1"),
         (dict(model__family="bert", data__mask_id=512), "data.mask_id"),
@@ -289,7 +297,7 @@ def test_bad_family_settings_are_config_errors(setting, message):
         section, name = key.split("__")
         c[section][name] = value
     with pytest.raises(ConfigError, match=message):
-        validate(c)
+        models.validate(c)
 
 
 def test_reserved_ids_must_lie_above_the_data():
@@ -320,3 +328,15 @@ def test_configs_validate_and_have_the_published_sizes(name, millions):
     )
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     assert round(count / 1e6, 1) == millions
+
+
+def test_each_family_names_its_features_and_its_converter():
+    """What `models.validate` and the Hugging Face import read of a family: features that
+    exist, a converter module with the three conversions, one family per model_type."""
+    for family in FAMILIES.values():
+        assert family.features <= set(FEATURES), family.name
+        module = importlib.import_module(family.converter)
+        for name in ("model_settings", "load_params", "save_params"):
+            assert callable(getattr(module, name)), (family.name, name)
+    model_types = [t for f in FAMILIES.values() for t in f.hf_model_types]
+    assert len(model_types) == len(set(model_types)) and "mixtral" in model_types

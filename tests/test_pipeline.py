@@ -12,6 +12,7 @@ import pytest
 from angel_jax import sharding
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
+from angel_jax.memory import saved_values
 from angel_jax.mesh import make_mesh
 from angel_jax.models.llama import LlamaConfig, decoder_layer
 from angel_jax.parallel.pipeline import (
@@ -236,6 +237,30 @@ def test_kept_residuals_are_activations_only(remat):
     assert sorted(i for i in residuals.sources if i >= 0) == list(
         range(len(jax.tree.leaves(params)))
     )
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_the_memory_model_counts_what_a_layer_keeps_per_token(remat):
+    """The policies pipelines do not offer: what the layer keeps per token (in compute-dtype
+    values, a float32 one counting two) matches memory.saved_values to within a few
+    per-token statistics; XLA attention's (T, T) scores are left out of the model."""
+    config = small_config(model__dtype="bfloat16", model__remat=remat)
+    cfg = LlamaConfig.from_config(config.model, "cpu")
+    exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    params = jax.tree.map(lambda x: x[0], exp.init_state().params["layers"])
+    b, t = 2, config.train.seq_len
+    h = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
+    residuals = Residuals()
+
+    def forward(params, h):
+        _, vjp = jax.vjp(functools.partial(decoder_layer, cfg), params, h)
+        return residuals.save(vjp, params)
+
+    per_token = [x for x in jax.eval_shape(forward, params, h) if x.shape[:2] == (b, t)]
+    values = sum(x.size * x.dtype.itemsize / 2 for x in per_token) / (b * t)
+    widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    modelled, _ = saved_values(remat, (*widths, cfg.ffn_dim))
+    assert modelled <= values <= modelled + 8, (values, modelled)
 
 
 def train(config, devices, steps=2):

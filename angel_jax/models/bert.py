@@ -85,4 +85,10 @@ class Bert(nn.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-FAMILY = Family("bert", ClassicConfig.from_config, Bert)
+FAMILY = Family(
+    "bert",
+    ClassicConfig.from_config,
+    Bert,
+    converter="angel_jax.interop.bert",
+    hf_model_types=("bert",),
+)

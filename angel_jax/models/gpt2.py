@@ -119,4 +119,6 @@ FAMILY = Family(
         unrolled_name="layers_{}",
         decode_layer=decode_layer,
     ),
+    converter="angel_jax.interop.gpt2",
+    hf_model_types=("gpt2",),
 )

@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import fp8
 from angel_jax.config import ConfigError, head_dim
-from angel_jax.family import Family, Pieces
+from angel_jax.family import FEATURES, Family, Pieces
 from angel_jax.kernels import choose
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
@@ -354,4 +354,7 @@ FAMILY = Family(
         decode_layer=decode_layer,
     ),
     offloads_layer_inputs=True,
+    features=frozenset(FEATURES),
+    converter="angel_jax.interop.llama",
+    hf_model_types=("llama", "mixtral"),
 )

@@ -135,4 +135,11 @@ class T5(nn.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-FAMILY = Family("t5", ClassicConfig.from_config, T5, decoder_inputs=True)
+FAMILY = Family(
+    "t5",
+    ClassicConfig.from_config,
+    T5,
+    decoder_inputs=True,
+    converter="angel_jax.interop.t5",
+    hf_model_types=("t5",),
+)

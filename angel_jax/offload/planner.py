@@ -41,8 +41,8 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
+from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
-from angel_jax.remat import OFFLOADABLE, REMATS, per_device_widths
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -196,26 +196,21 @@ def _local_bytes(abstract_tree, dtype=None) -> int:
 
 
 def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
-    """Per-device bytes of saved activations: "layer inputs" (exact: one compute-dtype value
-    per d_model channel, token and layer), "activations" (the rest the remat policy keeps on
-    the device, an estimate, with the float32 logits and their gradient, one of
-    `logits_chunks` slices at a time) and "offloaded activations" (what it keeps on the host)."""
+    """Per-device bytes of saved activations (memory.saved_values): "layer inputs" (exact: the
+    residual stream entering each layer), "activations" (the rest the remat policy keeps on
+    the device, with what one layer's recomputing backward holds and the float32 logits and
+    their gradient, one of `logits_chunks` slices at a time) and "offloaded activations" (what
+    it keeps in host memory)."""
     m, t = config.model, config.train
     # Batch splits over data and expert, positions over context and sequence.
     splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
     tokens = t.batch_size // t.microbatches * t.seq_len / splits
     itemsize, tensor = np.dtype(m.dtype).itemsize, mesh.shape[TENSOR]
-    # One compute-dtype value per d_model channel, layer and token.
-    unit = m.num_layers * tokens * m.d_model * itemsize / tensor
-    remat = REMATS[m.remat]
-    hd = head_dim(m)
-    # Values per token, layer and device of the named activations the policy offloads.
     widths = per_device_widths(
-        m.d_model, m.num_heads, m.num_kv_heads, hd, m.ffn_dim, tensor, m.sequence_parallel
+        m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), m.ffn_dim, tensor, m.sequence_parallel
     )
-    on_host = sum(
-        u * w for name in remat.offloaded for u, w in zip(OFFLOADABLE[name], widths, strict=True)
-    )
+    on_device, on_host = saved_values(m.remat, widths)
+    per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
     logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
     working = 0
     if m.remat != "none":
@@ -226,9 +221,9 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         width = WORKING_WIDTHS[0] * m.d_model + WORKING_WIDTHS[1] * ffn / m.mlp_chunks
         working = tokens * width * itemsize / tensor
     return {
-        "layer inputs": int(unit),
-        "activations": int((remat.saved - 1) * unit + working + logits),
-        "offloaded activations": int(m.num_layers * tokens * on_host * itemsize),
+        "layer inputs": int(per_value * widths[0]),
+        "activations": int(per_value * (on_device - widths[0]) + working + logits),
+        "offloaded activations": int(per_value * on_host),
     }
 
 
@@ -326,7 +321,7 @@ def make_plan(
             # Layer weights and grads (in the params' layout: grads return the way weights
             # came) move to the host; two layers at a time visit the device, gathered.
             f32_sum = layer_params * 4 // compute_dtype.itemsize if accumulating else 0
-            gathered = mesh.shape[DATA] if config.zero_stage >= 3 else 1
+            gathered = mesh.shape[DATA] if zero_splits("params", config.zero_stage) else 1
             out.update(
                 {
                     "compute params": other_params,

@@ -32,10 +32,11 @@ import numpy as np
 
 from angel_jax.config import ConfigError
 from angel_jax.family import DecoderShape
+from angel_jax.memory import per_device_widths, saved_values, state_bytes_per_param
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
-from angel_jax.remat import REMATS, STAGE_REMATS, per_device_widths
+from angel_jax.remat import REMATS, STAGE_REMATS
 
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
@@ -257,11 +258,8 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     p, v = schedule.stages, schedule.virtual
     dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
     rows = tokens * tp
-    zero = config.zero_stage
-    # Master, grad, pipeline accumulator, two AdamW moments (fp32), ZeRO's share over data.
-    per_param = (4 / (dp if zero >= 3 else 1) + 4 / (dp if zero >= 2 else 1) + 4) + 8 / (
-        dp if zero >= 1 else 1
-    )
+    # fp32 masters, grads, the pipeline's grad accumulators and AdamW moments, ZeRO-split.
+    per_param = state_bytes_per_param(config.zero_stage, dp, accumulator=True)
     layer_params = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     layer_params += 3 * cfg.d_model * cfg.ffn_dim
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
@@ -277,8 +275,7 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
         config.model.sequence_parallel,
     )
     d = widths[0]
-    units = REMATS[effective_remat(cfg, remat)].widths
-    saved = sum(u * w for u, w in zip(units, widths, strict=True))
+    saved, _ = saved_values(effective_remat(cfg, remat), widths)
     # Per slot: a chunk's layer slots' residuals and the head's input; one slot more for the
     # copies in flight (an F's new residuals before they go into the buffer, a B's slot).
     per_slot = rows * (layout.slots * saved + d) * dtype_bytes
