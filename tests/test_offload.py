@@ -471,6 +471,26 @@ def test_the_steps_activations_and_the_updates_chunks_are_not_counted_together()
     assert "a peak counts the step's activations or the update's chunks" in plan.table()
 
 
+def test_a_pinned_pool_that_would_outgrow_the_host_is_warned_of(monkeypatch):
+    """XLA's pinned-host pool keeps its doubling regions up to its cap (on the H200 a 110 GiB
+    cap was held whole for a 94.7 GiB plan, and the kernel killed the run): the plan warns
+    when that and the process's own memory pass what the host has, and names the cap that
+    fits."""
+    assert planner.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
+    assert planner.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
+    overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
+    plan = build(*llama_1b(*overrides)).plan
+    need = plan.tier_bytes(HOST)  # 12.3 GiB: the pool's regions reach 16 GiB.
+    assert 8 * 2**30 < need < 15 * 2**30 and not plan.host_warning  # A CPU: no pool.
+    monkeypatch.setattr(planner, "_host_available", lambda: 30 * 2**30)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
+    warning = planner.pool_warning(plan, 1, backend="gpu")
+    assert "would hold 16.0 GiB" in warning and "LIMIT_GB=13 " in warning
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "13")
+    assert planner.pool_warning(plan, 1, backend="gpu") == ""
+    assert planner.pool_warning(plan, 1, backend="cpu") == ""
+
+
 def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):
     """The H200's 8B offload run was refused for the allocators' defaults (75% of the GPU,
     64 GB pinned): the error must name the two settings, and only where they bind."""

@@ -73,6 +73,7 @@ class Plan:
     on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
     on_cpu: frozenset = frozenset()  # Update chunks the host's cores update (hybrid update).
     cpu_note: str = ""  # The hybrid update's share, for the plan's table.
+    host_warning: str = ""  # What the pinned-host pool would hold beyond the plan (pool_warning).
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
@@ -127,6 +128,8 @@ class Plan:
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
             lines.append(f"  hybrid update: {self.cpu_note}")
+        if self.host_warning:
+            lines.append(f"  WARNING: {self.host_warning}")
         return "\n".join(lines)
 
 
@@ -174,6 +177,44 @@ def pool_fixes(short: set[str], backend: str | None = None) -> list[str]:
             f"the host has {_host_available() / 2**30:.0f} GiB available)"
         )
     return fixes
+
+
+# XLA's pinned-host pool (a growing BFC allocator) adds regions of doubling size from 2 MiB up
+# to its cap and keeps them, and pinned pages are resident: once more than 64 GiB live there, a
+# 110 GiB cap is held whole (on the H200, 112 GiB of the process's pages were pinned after an
+# AdamW 20B plan put 94.7 GiB there, and the kernel then killed it).
+_POOL_FIRST_REGION = 2 * 2**20
+# What the process holds beside the pool while it initialises and updates (anonymous memory
+# grew to 8.5 GiB there), with room for the kernel's page cache of the SSD tier.
+_BESIDE_POOL = 16 * 2**30
+
+
+def pinned_pool_hold(need: int, cap: int) -> int:
+    """Bytes of pinned host memory the pool holds once `need` bytes live in it."""
+    held, region = 0, _POOL_FIRST_REGION
+    while held < need:
+        held, region = held + region, 2 * region
+    return min(held, cap)
+
+
+def pool_warning(plan: Plan, local_devices: int, backend: str | None = None) -> str:
+    """On a GPU, a warning when the pinned-host pool would hold more than this host can give
+    beside the process (the kernel's OOM killer then ends the run), with the cap that fits."""
+    if (backend or jax.default_backend()) != "gpu" or not plan.tier_bytes(HOST):
+        return ""
+    need = plan.tier_bytes(HOST) * local_devices
+    cap = int(_pinned_pool_cap_gb() * 2**30)
+    held, available = pinned_pool_hold(need, cap), _host_available()
+    if held + _BESIDE_POOL <= available:
+        return ""
+    fit = math.ceil(need / USABLE / 2**30)
+    return (
+        f"XLA's pinned-host pool grows in doubling regions up to its cap and keeps them: for "
+        f"this plan's {need / 2**30:.1f} GiB it would hold {held / 2**30:.1f} GiB "
+        f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}) of the "
+        f"{available / 2**30:.1f} GiB this host has available, too little beside the process: "
+        f"set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit} (or a smaller config.offload.host_gib)"
+    )
 
 
 def _host_available() -> int:
@@ -403,7 +444,9 @@ def make_plan(
             if not plan.offloads_optimizer:
                 return plan
             chunks = _chunks(offloaded_masters, opt, stacked)
-            return _with_cpu_update(plan, config.offload.cpu_update, chunks)
+            plan = _with_cpu_update(plan, config.offload.cpu_update, chunks)
+            local_devices = max(1, mesh.size // jax.process_count())
+            return dataclasses.replace(plan, host_warning=pool_warning(plan, local_devices))
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
