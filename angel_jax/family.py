@@ -64,11 +64,12 @@ class Pieces:
 # What a family may support beyond plain data- and tensor-parallel training: each feature with
 # the settings that turn it on and a test of the config for them.
 FEATURES: dict[str, tuple[str, Callable[[ml_collections.ConfigDict], bool]]] = {
-    "pipeline": ("config.mesh.pipeline > 1", lambda c: c.mesh.pipeline > 1),
+    # A mesh size of -1 takes the devices the other axes leave: split too, unless just one.
+    "pipeline": ("config.mesh.pipeline != 1", lambda c: c.mesh.pipeline != 1),
     "sequence split": (
-        "config.mesh.context or config.mesh.sequence > 1 (it needs the whole sequence per "
-        "device: masks, learned positions, bidirectional or cross attention)",
-        lambda c: c.mesh.context > 1 or c.mesh.sequence > 1,
+        "config.mesh.context != 1 or config.mesh.sequence != 1 (the family needs the whole "
+        "sequence per device: masks, learned positions, bidirectional or cross attention)",
+        lambda c: c.mesh.context != 1 or c.mesh.sequence != 1,
     ),
     "experts": ("config.model.num_experts > 0", lambda c: c.model.num_experts > 0),
     "chunked logits": ("config.model.logits_chunks > 1", lambda c: c.model.logits_chunks > 1),

@@ -16,19 +16,12 @@ def zero_splits(state: str, zero_stage: int) -> bool:
     return zero_stage >= ZERO_SPLITS[state]
 
 
-def state_bytes_per_param(
-    zero_stage: int, data: int, *, accumulator: bool, param_bytes: int = 4
-) -> float:
-    """Bytes per device of one parameter's states in float32, split over `data` devices as
+def state_bytes_per_param(zero_stage: int, data: int, *, accumulator: bool) -> float:
+    """Bytes per device of one parameter's float32 states, split over `data` devices as
     `zero_stage` says: the param, its grad, an unsplit grad accumulator (`accumulator`) and
     AdamW's two moments."""
     share = {s: 1 / data if zero_splits(s, zero_stage) else 1 for s in ZERO_SPLITS}
-    return (
-        param_bytes * share["params"]
-        + 4 * share["grads"]
-        + 4 * accumulator
-        + 8 * share["optimizer state"]
-    )
+    return 4 * share["params"] + 4 * share["grads"] + 4 * accumulator + 8 * share["optimizer state"]
 
 
 def per_device_widths(

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from angel_jax import checkpoint, interop, loop, sharding, train
+from angel_jax import checkpoint, loop, models, sharding, train
 from angel_jax.config import ConfigError, default_config, load_config, validate
 from angel_jax.interop import hf, llama
 from angel_jax.mesh import make_mesh
@@ -206,7 +206,7 @@ def test_bad_checkpoints_are_config_errors_naming_the_setting(tmp_path):
     for case, (fields, message) in cases.items():
         config.init_from_hf = write_config(tmp_path / case, **fields)
         with pytest.raises(ConfigError, match=f"config.init_from_hf: {message}"):
-            interop.apply_checkpoint_architecture(config)
+            models.apply_checkpoint_architecture(config)
 
     config.init_from_hf = write_config(tmp_path / "no_weights", **llama_fields)
     (tmp_path / "no_weights" / "pytorch_model.bin").write_bytes(b"")

@@ -12,7 +12,7 @@ import pytest
 from flax import linen as nn
 
 from angel_jax import models
-from angel_jax.config import ConfigError, default_config, load_config, validate
+from angel_jax.config import ConfigError, default_config, load_config
 from angel_jax.data import make_batches
 from angel_jax.data.objectives import (
     document_segments,
@@ -320,7 +320,7 @@ def test_reserved_ids_must_lie_above_the_data():
 )
 def test_configs_validate_and_have_the_published_sizes(name, millions):
     config = load_config(str(CONFIGS / f"{name}.py"))
-    validate(config)
+    models.validate(config)
     model = make_model(config.model, "cpu")[1]
     tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
     shapes = jax.eval_shape(

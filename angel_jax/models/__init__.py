@@ -40,15 +40,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not used:
         settings.validate(config)
         return
-    others = {
-        f.name
-        for f in FAMILIES.values()
-        for name, (setting, _) in FEATURES.items()
-        if setting in used and name in f.features
-    }
+    needed = {name for name, (setting, _) in FEATURES.items() if setting in used}
+    others = sorted(f.name for f in FAMILIES.values() if needed <= f.features)
     raise ConfigError(
-        f"config.model.family={family.name} does not support {'; '.join(used)}: turn it off"
-        + (f" or use config.model.family={' or '.join(sorted(others))}" if others else "")
+        f"config.model.family={family.name} does not support {'; nor '.join(used)}: leave "
+        "those settings at their defaults (mesh sizes 1)"
+        + (f", or use config.model.family={' or '.join(others)}" if others else "")
     )
 
 

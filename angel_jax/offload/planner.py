@@ -124,7 +124,10 @@ class Plan:
         for tier in self.budget:
             used, budget = self.tier_bytes(tier), self.budget[tier]
             lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
-        lines.append("  (a peak counts the step's activations or the update's chunks, the larger)")
+        if "update chunks" in self.state_bytes:
+            lines.append(
+                "  (a peak counts the step's activations or the update's chunks, the larger)"
+            )
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
             lines.append(f"  hybrid update: {self.cpu_note}")
@@ -200,9 +203,11 @@ def pinned_pool_hold(need: int, cap: int) -> int:
 def pool_warning(plan: Plan, local_devices: int, backend: str | None = None) -> str:
     """On a GPU, a warning when the pinned-host pool would hold more than this host can give
     beside the process (the kernel's OOM killer then ends the run), with the cap that fits."""
-    if (backend or jax.default_backend()) != "gpu" or not plan.tier_bytes(HOST):
+    if (backend or jax.default_backend()) != "gpu":
         return ""
-    need = plan.tier_bytes(HOST) * local_devices
+    # Chunks the host's cores update live in plain host memory, not the pool.
+    pinned = plan.tier_bytes(HOST) - plan.state_bytes.get("CPU-updated chunks", 0)
+    need = pinned * local_devices
     cap = int(_pinned_pool_cap_gb() * 2**30)
     held, available = pinned_pool_hold(need, cap), _host_available()
     if held + _BESIDE_POOL <= available:
@@ -247,8 +252,12 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
     tokens = t.batch_size // t.microbatches * t.seq_len / splits
     itemsize, tensor = np.dtype(m.dtype).itemsize, mesh.shape[TENSOR]
+    # A token's MLP width: its experts' (routed and shared) in a mixture of experts.
+    ffn = m.ffn_dim
+    if m.num_experts:
+        ffn = (m.experts_per_token + m.shared_experts) * (m.moe_ffn_dim or m.ffn_dim)
     widths = per_device_widths(
-        m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), m.ffn_dim, tensor, m.sequence_parallel
+        m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), ffn, tensor, m.sequence_parallel
     )
     on_device, on_host = saved_values(m.remat, widths)
     per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
@@ -258,7 +267,6 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         # One layer's backward holds what it recomputes: about 8 d_model-wide and 6 ffn-wide
         # values per token (with their grads), the latter per MLP slice. Fitted to llama_1b's
         # compiled step at 524k tokens on the H200 (97.1 GiB of temporaries, full remat).
-        ffn = m.ffn_dim if not m.num_experts else (m.moe_ffn_dim or m.ffn_dim)
         width = WORKING_WIDTHS[0] * m.d_model + WORKING_WIDTHS[1] * ffn / m.mlp_chunks
         working = tokens * width * itemsize / tensor
     return {
@@ -511,8 +519,8 @@ def _with_cpu_update(plan: Plan, share: float, chunks) -> Plan:
 
 def check_compiled(plan: Plan, memory) -> None:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
-    device: the plan's device-resident states plus what XLA allocates beyond the program's
-    arguments and outputs (`memory`: a `Compiled.memory_analysis()`), which replaces the
+    device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
+    arguments and outputs (`memory`: a `Compiled.memory_analysis()`) in place of the
     planner's activation estimate."""
     if memory is None:  # A backend without the analysis: the planner's estimate stands.
         return
