@@ -19,7 +19,7 @@ from flax import linen as nn
 
 class DecoderShape(Protocol):
     """What the pipeline's stage planner costs and checks a decoder by (the model config of a
-    family with training `Pieces` has these fields)."""
+    family with training `Pieces` has these fields, and its layers' matmul parameters)."""
 
     num_layers: int
     d_model: int
@@ -34,6 +34,11 @@ class DecoderShape(Protocol):
     num_experts: int
     scan_layers: bool
     logits_chunks: int
+
+    def layer_matmul_params(self) -> int:
+        """One layer's parameters that take part in a token's matmuls: its FLOPs are twice
+        these per token, besides attention's."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,12 +64,15 @@ class ClassicConfig:
             scan_layers=model.scan_layers,
         )
 
+    def layer_matmul_params(self) -> int:
+        """One (encoder or decoder-only) layer's matmul parameters."""
+        return 4 * self.d_model * self.num_heads * self.head_dim + 2 * self.d_model * self.ffn_dim
+
     def matmul_params(self) -> int:
-        attn = 4 * self.d_model * self.num_heads * self.head_dim
-        mlp = 2 * self.d_model * self.ffn_dim
-        layers = self.num_layers * (attn + mlp)
+        layers = self.num_layers * self.layer_matmul_params()
         if self.family == "t5":  # Decoder layers also have cross-attention.
-            layers += self.decoder_layers * (2 * attn + mlp)
+            attn = 4 * self.d_model * self.num_heads * self.head_dim
+            layers += self.decoder_layers * (attn + self.layer_matmul_params())
         return layers + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int) -> float:

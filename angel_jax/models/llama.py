@@ -104,14 +104,19 @@ class LlamaConfig:
             mlp_chunks=model.mlp_chunks,
         )
 
-    def matmul_params(self) -> int:
-        """Parameters that take part in matmuls: the layers and the LM head, not the lookup."""
+    def layer_matmul_params(self) -> int:
+        """One layer's parameters that take part in a token's matmuls (a mixture of experts':
+        the experts it goes through and the router)."""
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.d_model * self.ffn_dim
-        if self.num_experts:  # Active parameters: the experts a token goes through.
+        if self.num_experts:
             experts = self.experts_per_token + self.shared_experts
             mlp = experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.num_experts
-        return self.num_layers * (attn + mlp) + self.vocab_size * self.d_model
+        return attn + mlp
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls: the layers and the LM head, not the lookup."""
+        return self.num_layers * self.layer_matmul_params() + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params + causal attention (6 x L x T x N*H),

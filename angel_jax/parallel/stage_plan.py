@@ -95,8 +95,7 @@ class PipelinePlan:
 
 def layer_forward_flops(cfg: DecoderShape, seq_len: int, remat: str) -> tuple[float, float]:
     """(forward FLOPs of one layer per token, what `remat` recomputes of it in a backward)."""
-    attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    matmul = 2 * (attn + 3 * cfg.d_model * cfg.ffn_dim)
+    matmul = 2 * cfg.layer_matmul_params()
     attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
     share_attention, share_matmul = REMATS[effective_remat(cfg, remat)].recompute
     return matmul + attention, share_attention * attention + share_matmul * matmul
@@ -260,8 +259,7 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     rows = tokens * tp
     # fp32 masters, grads, the pipeline's grad accumulators and AdamW moments, ZeRO-split.
     per_param = state_bytes_per_param(config.zero_stage, dp, accumulator=True)
-    layer_params = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    layer_params += 3 * cfg.d_model * cfg.ffn_dim
+    layer_params = cfg.layer_matmul_params()  # A dense layer's (pipelines take no experts).
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     state = (layout.slots * v * layer_params + shared) * per_param / tp
     dtype_bytes = np.dtype(cfg.dtype).itemsize
