@@ -79,6 +79,20 @@ def cudnn_missing() -> str | None:
     return None
 
 
+def resolve_attention(model, backend: str) -> str:
+    """config.model.attention (`model`: config.model) with auto resolved: cudnn on a GPU in a
+    16-bit dtype, else xla."""
+    attention = model.attention
+    if attention == "auto":
+        attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
+    if attention == "cudnn" and (backend != "gpu" or model.dtype == "float32"):
+        raise ConfigError(
+            f"config.model.attention=cudnn needs a GPU and a 16-bit config.model.dtype "
+            f"(here {backend}, {model.dtype}); use attention=auto or xla"
+        )
+    return attention
+
+
 def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
     """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
     kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes

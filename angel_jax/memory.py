@@ -35,10 +35,19 @@ def per_device_widths(
     return d, heads * head_dim / tensor, kv, ffn_dim / tensor
 
 
-def saved_values(remat: str, widths: tuple[float, float, float, float]) -> tuple[float, float]:
-    """(values a layer keeps on the device per token for its backward pass, its input
-    included; values it keeps in pinned host memory) under REMATS[remat], for `widths` from
-    `per_device_widths`."""
+def saved_values(
+    remat: str,
+    widths: tuple[float, float, float, float],
+    xla_keys: float = 0,
+    itemsize: int = 2,
+) -> tuple[float, float]:
+    """(values of `itemsize` bytes a layer keeps on the device per token for its backward
+    pass, its input included; values it keeps in pinned host memory) under REMATS[remat], for
+    `widths` from `per_device_widths`; `xla_keys`: on XLA's attention, the heads on a device
+    times the key positions a query attends to (0 on cuDNN's)."""
     policy = REMATS[remat]
     dot = lambda units: sum(u * w for u, w in zip(units, widths, strict=True))
-    return dot(policy.widths), sum(dot(OFFLOADABLE[name]) for name in policy.offloaded)
+    device = dot(policy.widths)
+    if xla_keys:
+        device += dot(policy.xla_widths) + policy.xla_scores * xla_keys / itemsize
+    return device, sum(dot(OFFLOADABLE[name]) for name in policy.offloaded)

@@ -42,6 +42,11 @@ class Remat:
     # Pipelines only (None: not offered there): the share of the layer's attention and of its
     # weight matmuls recomputed in a backward.
     recompute: tuple[int, int] | None = None
+    # What it keeps beside on XLA's attention (cuDNN's keeps no (T, T) arrays): widths as
+    # above, and bytes per token, head and key position (the scores, probabilities and mask),
+    # counted in the compiled layer in bf16.
+    xla_widths: tuple[float, float, float, float] = (0, 0, 0, 0)
+    xla_scores: float = 0
     offloaded: tuple[str, ...] = ()  # The named activations it keeps in pinned host memory.
 
 
@@ -68,11 +73,17 @@ def _offloading(names) -> Remat:
 # In the order a pipeline's `remat=auto` tries its policies: fastest first.
 REMATS = {
     # Everything: the layer's input, norms' float32 intermediates (twice the values), Q, K, V,
-    # the attention output, the MLP's four (M, F) values; under XLA's attention also each
-    # head's (T, T) scores, which this model leaves out (the compiled-step check sees them).
-    "none": Remat(None, (14, 2, 2, 6)),
-    # dots_no_batch's values, and on XLA's attention its batched dots (the scores again).
-    "dots": Remat(_both(_policies.checkpoint_dots, _experts), (2, 1, 2, 2)),
+    # the attention output, the MLP's four (M, F) values (and a bf16 cast of each weight when
+    # the params are float32, which no per-token model counts).
+    "none": Remat(None, (14, 2, 2, 6), xla_scores=11),
+    # dots_no_batch's values, and on XLA's attention its batched dots: the float32 scores and
+    # Q once more.
+    "dots": Remat(
+        _both(_policies.checkpoint_dots, _experts),
+        (2, 1, 2, 2),
+        xla_widths=(0, 1, 0, 0),
+        xla_scores=4,
+    ),
     # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch): the layer
     # input, Q, K, V, the attention output's projection, the gate and up projections, and
     # cuDNN's attention output (its statistics are a few bytes a head).

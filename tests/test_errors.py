@@ -478,7 +478,7 @@ def test_cpu_plan_is_checked_against_the_compiled_step_before_allocating():
     b = small.plan.state_bytes
     estimate = (b["activations"] + b["layer inputs"]) / 64  # Per row.
     compiled = small.steps.lowered().compile().memory_analysis().temp_size_in_bytes / 64
-    assert compiled > 1.3 * estimate  # XLA's temporaries outgrow the estimate here.
+    assert compiled > 1.05 * estimate  # XLA's temporaries outgrow the estimate here.
     usable = 0.95 * small.plan.budget["device"]
     rows = int(usable / ((estimate + compiled) / 2)) // 16 * 16  # Fits by the estimate only.
     exp = tiny(rows)  # The planner lets it through...

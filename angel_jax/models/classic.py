@@ -11,7 +11,7 @@ import ml_collections
 from flax import linen as nn
 
 from angel_jax.config import head_dim
-from angel_jax.models.llama import resolve_attention
+from angel_jax.kernels import resolve_attention
 from angel_jax.remat import REMATS
 
 # The residual stream's layout (as in Llama; "norm_length" splits under sequence parallel).

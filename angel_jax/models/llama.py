@@ -9,27 +9,14 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import fp8
-from angel_jax.config import ConfigError, head_dim
+from angel_jax.config import head_dim
 from angel_jax.family import FEATURES, Family, Pieces
-from angel_jax.kernels import choose
+from angel_jax.kernels import choose, resolve_attention
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.remat import LAYER_INPUT, layer_policy
 from angel_jax.sharding import constrain
-
-
-def resolve_attention(model: ml_collections.ConfigDict, backend: str) -> str:
-    """config.model.attention with auto resolved: cudnn on a GPU in a 16-bit dtype, else xla."""
-    attention = model.attention
-    if attention == "auto":
-        attention = "cudnn" if backend == "gpu" and model.dtype != "float32" else "xla"
-    if attention == "cudnn" and (backend != "gpu" or model.dtype == "float32"):
-        raise ConfigError(
-            f"config.model.attention=cudnn needs a GPU and a 16-bit config.model.dtype "
-            f"(here {backend}, {model.dtype}); use attention=auto or xla"
-        )
-    return attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
+from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
 
@@ -259,7 +260,10 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     widths = per_device_widths(
         m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), ffn, tensor, m.sequence_parallel
     )
-    on_device, on_host = saved_values(m.remat, widths)
+    xla_keys = 0  # On XLA's attention some policies keep (T, T) arrays per head.
+    if resolve_attention(m, jax.default_backend()) == "xla":
+        xla_keys = m.num_heads / (tensor * mesh.shape[SEQUENCE]) * t.seq_len / mesh.shape[CONTEXT]
+    on_device, on_host = saved_values(m.remat, widths, xla_keys, itemsize)
     per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
     logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
     working = 0
