@@ -211,10 +211,9 @@ def test_pipeline_equals_the_model_without_one(case, reference):
     )
 
 
-@pytest.mark.parametrize("remat", STAGE_REMATS)
-def test_kept_residuals_are_activations_only(remat):
-    """What a stage keeps from a microbatch's F to its B: activations (batch, length, ...),
-    never a copy of a weight (the weights are looked up again in B), for every policy."""
+def layer_residuals(remat: str):
+    """(layer config, batch, length, what one bf16 layer keeps from its forward for its
+    backward under `remat`, the `Residuals` that recorded where each came from)."""
     config = small_config(model__dtype="bfloat16", model__remat=remat)
     cfg = LlamaConfig.from_config(config.model, "cpu")
     exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
@@ -228,15 +227,21 @@ def test_kept_residuals_are_activations_only(remat):
         return residuals.save(vjp, params)
 
     saved = jax.eval_shape(forward, params, h)
+    return cfg, b, t, saved, residuals, len(jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("remat", STAGE_REMATS)
+def test_kept_residuals_are_activations_only(remat):
+    """What a stage keeps from a microbatch's F to its B: activations (batch, length, ...),
+    never a copy of a weight (the weights are looked up again in B), for every policy."""
+    cfg, b, t, saved, residuals, weights = layer_residuals(remat)
     assert saved and all(x.shape[:2] == (b, t) for x in saved), [x.shape for x in saved]
     # The planner's memory model counts the same bytes (dots_attention is dots_no_batch here).
     units = REMATS[effective_remat(cfg, remat)].widths
     widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     assert sum(x.size for x in saved) == b * t * np.dot(units, (*widths, cfg.ffn_dim))
     # Every weight the layer has is looked up again in B, not kept per microbatch.
-    assert sorted(i for i in residuals.sources if i >= 0) == list(
-        range(len(jax.tree.leaves(params)))
-    )
+    assert sorted(i for i in residuals.sources if i >= 0) == list(range(weights))
 
 
 @pytest.mark.parametrize("remat", ["none", "dots"])
@@ -245,20 +250,9 @@ def test_the_memory_model_counts_what_a_layer_keeps_per_token(remat):
     token (its (T, T) arrays per head included) match memory.saved_values to within a few
     per-token statistics (under `none` a bf16 cast of each fp32 weight is kept too, which no
     per-token model counts: those arrays are left out here)."""
-    config = small_config(model__dtype="bfloat16", model__remat=remat)
-    cfg = LlamaConfig.from_config(config.model, "cpu")
+    cfg, b, t, saved, _, _ = layer_residuals(remat)
     assert cfg.attention is None  # XLA's.
-    exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
-    params = jax.tree.map(lambda x: x[0], exp.init_state().params["layers"])
-    b, t = 2, config.train.seq_len
-    h = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
-    residuals = Residuals()
-
-    def forward(params, h):
-        _, vjp = jax.vjp(functools.partial(decoder_layer, cfg), params, h)
-        return residuals.save(vjp, params)
-
-    batched = [x for x in jax.eval_shape(forward, params, h) if x.shape[:1] == (b,)]
+    batched = [x for x in saved if x.shape[:1] == (b,)]
     kept = sum(x.size * x.dtype.itemsize for x in batched) / (b * t)
     widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     values, _ = saved_values(remat, (*widths, cfg.ffn_dim), cfg.num_heads * t, 2)

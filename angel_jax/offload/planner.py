@@ -53,7 +53,7 @@ USABLE = 0.95
 ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # States alive only during the jitted forward/backward, and only during the streamed update
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
-# 8B step peaked at 80 GiB where their sum came to 97).
+# 8B step peaked at 80 GiB where their sum planned 105).
 STEP_ONLY = (*ACTIVATIONS, "layers in flight")
 UPDATE_ONLY = ("update chunks",)
 # A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
