@@ -2,6 +2,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,11 @@ def test_generation_covers_the_families_with_a_kv_cache_layer():
     assert DECODERS == ("llama", "gpt2")
     assert all(FAMILIES[name].pieces.decode_layer for name in DECODERS)
     assert FAMILIES["llama"].pieces.layer is not None  # The pipeline's stage layer.
+
+
+def test_training_imports_no_hugging_face_reader():
+    """The quick start installs requirements.txt only, which has no safetensors: the trainer
+    reaches the Hugging Face readers lazily, when a config names a checkpoint."""
+    code = "import sys, angel_jax.loop, angel_jax.generate; print('safetensors' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

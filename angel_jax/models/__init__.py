@@ -11,7 +11,6 @@ import ml_collections
 from angel_jax import config as settings
 from angel_jax.config import ConfigError
 from angel_jax.family import FEATURES, Family
-from angel_jax.interop.hf import Checkpoint
 from angel_jax.models import bert, gpt2, llama, t5
 
 FAMILIES: dict[str, Family] = {
@@ -49,8 +48,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def converter(checkpoint: Checkpoint) -> ModuleType:
-    """The Hugging Face converter (angel_jax/interop/) of this checkpoint's architecture."""
+def converter(checkpoint) -> ModuleType:
+    """The Hugging Face converter (angel_jax/interop/) of this checkpoint's architecture
+    (an `interop.hf.Checkpoint`)."""
     kind = checkpoint.config.get("model_type")
     for family in FAMILIES.values():
         if kind in family.hf_model_types:
@@ -65,6 +65,8 @@ def converter(checkpoint: Checkpoint) -> ModuleType:
 
 def apply_checkpoint_architecture(config: ml_collections.ConfigDict) -> None:
     """Sets `config.model`'s architecture from the checkpoint at `config.init_from_hf`."""
+    from angel_jax.interop.hf import Checkpoint  # safetensors: only for Hugging Face files.
+
     checkpoint = Checkpoint(config.init_from_hf, "config.init_from_hf")
     config.model.update(
         converter(checkpoint).model_settings(checkpoint.config, "config.init_from_hf")
@@ -74,5 +76,7 @@ def apply_checkpoint_architecture(config: ml_collections.ConfigDict) -> None:
 def load_params(path: str | pathlib.Path, abstract_params, shardings, setting: str = "checkpoint"):
     """Our params (fp32 masters) from a Hugging Face checkpoint directory, each placed with its
     sharding (a tree like `abstract_params`) as it loads."""
+    from angel_jax.interop.hf import Checkpoint
+
     module = converter(Checkpoint(path, setting))
     return module.load_params(path, abstract_params, shardings, setting)
