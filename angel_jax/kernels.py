@@ -156,10 +156,29 @@ _ROWS_TILE = dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, 
 _WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 
 
-@jax.custom_vjp
-def _hopper_ragged_dot(x_MK, w_GKN, sizes_G):
+# Each kernel under its own jit: a program with unrolled layers then lowers each kernel once
+# and calls it from every layer (JAX caches a jit's lowering within a module); inline, the
+# Mosaic GPU lowering ran again per call, about 2.3 s a layer for moe_1b's six.
+@functools.partial(jax.jit, static_argnames="transpose_rhs")
+def _rows_kernel(x_MK, w_GKN, sizes_G, transpose_rhs=False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+    return ragged_dot_mgpu.ragged_dot(
+        x_MK, w_GKN, group_sizes=sizes_G, transpose_rhs=transpose_rhs, **_ROWS_TILE
+    )
+
+
+@jax.jit
+def _weights_kernel(x_MK, dout_MN, sizes_G):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x_MK, dout_MN, group_sizes=sizes_G, **_WEIGHTS_TILE
+    )
+
+
+@jax.custom_vjp
+def _hopper_ragged_dot(x_MK, w_GKN, sizes_G):
     k, n = w_GKN.shape[1:]
     if k % 128 or n % 128:  # dW's tiles are 128 x 128 over (K, N); the others need K % 64.
         raise ConfigError(
@@ -167,7 +186,7 @@ def _hopper_ragged_dot(x_MK, w_GKN, sizes_G):
             "its kernels need both multiples of 128 (d_model and moe_ffn_dim): change them or "
             "use moe_kernel=tokamax or xla"
         )
-    return ragged_dot_mgpu.ragged_dot(x_MK, w_GKN, group_sizes=sizes_G, **_ROWS_TILE)
+    return _rows_kernel(x_MK, w_GKN, sizes_G)
 
 
 def _hopper_ragged_dot_fwd(x_MK, w_GKN, sizes_G):
@@ -175,18 +194,12 @@ def _hopper_ragged_dot_fwd(x_MK, w_GKN, sizes_G):
 
 
 def _hopper_ragged_dot_bwd(residuals, dout_MN):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
     x_MK, w_GKN, sizes_G = residuals
     dout_MN = dout_MN.astype(x_MK.dtype)
     # dX = dout @ w[g]^T: w as stored is the transposed right-hand side.
-    dx = ragged_dot_mgpu.ragged_dot(
-        dout_MN, w_GKN, group_sizes=sizes_G, transpose_rhs=True, **_ROWS_TILE
-    )
+    dx = _rows_kernel(dout_MN, w_GKN, sizes_G, transpose_rhs=True)
     # dW[g] = x_g^T dout_g over each group's rows (zero for an empty group).
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x_MK, dout_MN, group_sizes=sizes_G, **_WEIGHTS_TILE
-    )
+    dw = _weights_kernel(x_MK, dout_MN, sizes_G)
     return dx, dw.astype(w_GKN.dtype), None
 
 

@@ -117,6 +117,34 @@ def test_dropless_moves_rows_by_gathers_not_scatters():
     assert not scattered and len(gathered) >= 3, (scattered, gathered)
 
 
+def test_dropless_backward_neither_saves_nor_recomputes_the_down_projection(capsys):
+    """Router weights scale the hidden rows before the down projection, so under the dots
+    remat policy, in a scan of layers as the model runs them, the compiled gradient runs six
+    grouped matmuls a layer (forward, dX and dW of each projection) and keeps none of the
+    experts' (M, D) outputs: weighting the outputs after it needs them in the backward, saved
+    or recomputed (a seventh matmul)."""
+    from angel_jax.remat import layer_policy
+
+    x = inputs()
+    moe = layer("dropless")
+    stacked = jax.vmap(lambda key: moe.init(key, x))(jax.random.split(jax.random.key(0), 2))
+    body = lambda h, p: (h + moe.apply(p, h)[0], None)
+    policy = layer_policy("dots_no_batch", False)
+    rematted = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    loss = lambda ps, x: jnp.sum(jnp.sin(jax.lax.scan(rematted, x, ps)[0]))
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(stacked, x).compile().as_text()
+    rows, experts = 8 * 16 * 2, 8  # Assignments; XLA:CPU's ragged dots batch dW by expert.
+    grouped = re.findall(rf"= f32\[({rows}|{experts}),[\d,]+\]\S* dot\(", hlo)
+    assert len(grouped) == 6, grouped
+    one_layer = jax.tree.map(lambda a: a[0], stacked)
+    one_step = jax.checkpoint(lambda p, h: body(h, p)[0], policy=policy)
+    jax.ad_checkpoint.print_saved_residuals(one_step, one_layer, x)
+    saved = capsys.readouterr().out
+    # The gate+up output (M, 2F) and the weighted hidden rows (M, F), no (M, D) output.
+    kept = [f"f32[{rows},64]", f"f32[{rows},32]"]
+    assert re.findall(rf"^f32\[{rows},\d+\]", saved, re.M) == kept, saved
+
+
 RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": "tensor"}
 
 

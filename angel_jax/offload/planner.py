@@ -44,6 +44,7 @@ from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
+from angel_jax.remat import REMATS
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -254,9 +255,16 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     tokens = t.batch_size // t.microbatches * t.seq_len / splits
     itemsize, tensor = np.dtype(m.dtype).itemsize, mesh.shape[TENSOR]
     # A token's MLP width: its experts' (routed and shared) in a mixture of experts.
-    ffn = m.ffn_dim
+    ffn, routed = m.ffn_dim, 0.0
     if m.num_experts:
-        ffn = (m.experts_per_token + m.shared_experts) * (m.moe_ffn_dim or m.ffn_dim)
+        f, k, policy = m.moe_ffn_dim or m.ffn_dim, m.experts_per_token, REMATS[m.remat]
+        ffn = (k + m.shared_experts) * f
+        if m.router == "dropless" and policy.expert_rows:
+            # Beyond the FFN widths of a token's k routed rows: dropless keeps rows for its
+            # expert group's assignments (each rank gathers the group's tokens), and their
+            # weighted hidden rows too.
+            keeps = (policy.widths[3] + policy.expert_rows) * mesh.shape[EXPERT]
+            routed = (keeps - policy.widths[3]) * k * f / tensor
     widths = per_device_widths(
         m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), ffn, tensor, m.sequence_parallel
     )
@@ -275,7 +283,7 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         working = tokens * width * itemsize / tensor
     return {
         "layer inputs": int(per_value * widths[0]),
-        "activations": int(per_value * (on_device - widths[0]) + working + logits),
+        "activations": int(per_value * (on_device + routed - widths[0]) + working + logits),
         "offloaded activations": int(per_value * on_host),
     }
 
