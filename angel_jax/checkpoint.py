@@ -78,6 +78,12 @@ class Checkpointer:
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
         previous_hook = sys.unraisablehook
         sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
+        # A damaged file fails the reads in flight, each logged by asyncio when collected,
+        # which can come before the failure reaches here (seen on a loaded CPU): quiet from
+        # the start, the level given back when the restore succeeds.
+        asyncio_log = logging.getLogger("asyncio")
+        previous_level = asyncio_log.level
+        asyncio_log.setLevel(logging.CRITICAL)
         try:
             meta = self.manager.restore(
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
@@ -88,6 +94,7 @@ class Checkpointer:
         saved_policy = meta.get("offload_policy", "none")
         if saved_policy != offload_policy:
             sys.unraisablehook = previous_hook
+            asyncio_log.setLevel(previous_level)
             raise ConfigError(
                 f"checkpoint {self.directory / str(step)} holds state laid out for "
                 f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
@@ -105,6 +112,7 @@ class Checkpointer:
             _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
         sys.unraisablehook = previous_hook
+        asyncio_log.setLevel(previous_level)
         return restored.state, int(restored.data["next_batch_index"])
 
     def restore_latest(self, abstract_state, offload_policy: str = "none") -> Restored | None:

@@ -192,6 +192,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Hybrid update: this share of the host-memory chunks' parameters is updated by the host's
     # cores (their masters and state in plain host memory) while the device updates the rest.
     # 0 by default: on the H200 machine every share tried was slower (README, ZeRO-Cache).
+    # -1: picked at startup from the host's and the copies' measured rates (0 if no share pays).
     c.offload.cpu_update = 0.0
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).
@@ -388,9 +389,10 @@ def _validate_features(config: ml_collections.ConfigDict) -> None:
             f"config.offload.chunks_in_flight={config.offload.chunks_in_flight}: must be >= 1"
         )
     share = config.offload.cpu_update
-    if not 0 <= share <= 1:
+    if not (0 <= share <= 1 or share == -1):
         raise ConfigError(
-            f"config.offload.cpu_update={share}: a share of the parameters, in [0, 1]"
+            f"config.offload.cpu_update={share}: a share of the parameters, in [0, 1], or -1 "
+            "to pick it from measured rates"
         )
     choose("offload.activations", config.offload.activations, ACTIVATION_TIERS)
     if config.offload.activations == "host" and config.model.remat == "none":

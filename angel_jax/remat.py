@@ -49,9 +49,9 @@ class Remat:
     xla_scores: float = 0
     offloaded: tuple[str, ...] = ()  # The named activations it keeps in pinned host memory.
     # Policies that keep dropless MoE's named values ("experts"): per routed assignment, its
-    # gate+up output (as the FFN widths count for a dense MLP) and this many more rows of
-    # moe_ffn_dim (the weighted hidden rows the down projection's dW takes).
-    expert_rows: float = 0
+    # gate+up output (as the FFN widths count for a dense MLP) and these more values (moe_ffn_dim
+    # wide, d_model wide): the weighted hidden rows and the sorted input rows.
+    expert_rows: tuple[float, float] = (0, 0)
 
 
 _policies = jax.checkpoint_policies
@@ -87,15 +87,15 @@ REMATS = {
         (2, 1, 2, 2),
         xla_widths=(0, 1, 0, 0),
         xla_scores=4,
-        expert_rows=1,
+        expert_rows=(1, 1),
     ),
     # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch): the layer
     # input, Q, K, V, the attention output's projection, the gate and up projections, and
     # cuDNN's attention output (its statistics are a few bytes a head).
     "dots_attention": Remat(
-        _both(_dots_no_batch, flash_attention_saveable), (2, 2, 2, 2), (0, 0), expert_rows=1
+        _both(_dots_no_batch, flash_attention_saveable), (2, 2, 2, 2), (0, 0), expert_rows=(1, 1)
     ),
-    "dots_no_batch": Remat(_dots_no_batch, (2, 1, 2, 2), (1, 0), expert_rows=1),
+    "dots_no_batch": Remat(_dots_no_batch, (2, 1, 2, 2), (1, 0), expert_rows=(1, 1)),
     "full": Remat(_policies.nothing_saveable, (1, 0, 0, 0), (1, 1)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
     "offload_dots": _offloading(OFFLOADABLE),

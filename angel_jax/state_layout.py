@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.config import ConfigError
 from angel_jax.memory import zero_splits
-from angel_jax.offload.cpu import CPUTier
+from angel_jax.offload.cpu import CPUTier, measure_rates
 from angel_jax.offload.planner import CPU, HOST, SSD, Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
@@ -50,6 +50,12 @@ class StateLayout:
     # The offloaded states' layout and SSD tier, with plan.offloads_optimizer.
     offloaded: OffloadedState | None = None
     powersgd: PowerSGD | None = None  # Compressed data-parallel averaging of the grads.
+
+
+def _largest_path(abstract_params):
+    """The key path of the largest parameter (a weight matrix: the hybrid update's kind)."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
+    return max(leaves, key=lambda leaf: leaf[1].size)[0]
 
 
 def make_state_layout(
@@ -101,6 +107,9 @@ def make_state_layout(
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,
+        measure_rates=lambda: measure_rates(
+            optimizer, _largest_path(abstract_params), jnp.dtype(config.model.dtype)
+        ),
     )
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:

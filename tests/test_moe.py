@@ -122,7 +122,7 @@ def test_dropless_backward_neither_saves_nor_recomputes_the_down_projection(caps
     remat policy, in a scan of layers as the model runs them, the compiled gradient runs six
     grouped matmuls a layer (forward, dX and dW of each projection) and keeps none of the
     experts' (M, D) outputs: weighting the outputs after it needs them in the backward, saved
-    or recomputed (a seventh matmul)."""
+    or recomputed (a seventh matmul). The sort's indices are kept (no sort in the backward)."""
     from angel_jax.remat import layer_policy
 
     x = inputs()
@@ -140,9 +140,11 @@ def test_dropless_backward_neither_saves_nor_recomputes_the_down_projection(caps
     one_step = jax.checkpoint(lambda p, h: body(h, p)[0], policy=policy)
     jax.ad_checkpoint.print_saved_residuals(one_step, one_layer, x)
     saved = capsys.readouterr().out
-    # The gate+up output (M, 2F) and the weighted hidden rows (M, F), no (M, D) output.
-    kept = [f"f32[{rows},64]", f"f32[{rows},32]"]
+    # The sorted input rows (M, D), gate+up output (M, 2F) and weighted hidden rows (M, F), and
+    # no (M, D) output.
+    kept = [f"f32[{rows},16]", f"f32[{rows},64]", f"f32[{rows},32]"]
     assert re.findall(rf"^f32\[{rows},\d+\]", saved, re.M) == kept, saved
+    assert len(re.findall(rf"^i32\[{rows}\] named 'experts'", saved, re.M)) == 2, saved
 
 
 RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": "tensor"}

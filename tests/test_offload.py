@@ -352,6 +352,57 @@ def test_hybrid_share_is_spread_over_the_update():
     assert len(planner._with_cpu_update(plan, 1.0, chunks).on_cpu) == 32
 
 
+def test_hybrid_share_from_rates():
+    """cpu_update=-1: the share that has the device's and the host's parts finish together at
+    the rates measured with both running, or 0 when that is not faster than the device alone."""
+    gib = 2**30
+    chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]  # 12 bytes a param.
+    rates = dict(
+        host_params_per_s=1.4e9,
+        copy_bytes_per_s=38e9,
+        host_params_per_s_both=1.4e9,
+        copy_bytes_per_s_both=38e9,
+    )
+    share, note = planner.hybrid_share(rates, chunks, 2)
+    device, host = 12 / 38e9, 1 / 1.4e9 + 4 / 38e9  # Seconds a parameter on each path.
+    assert share == pytest.approx(device / (device + host))
+    assert f"picked {share:.0%}" in note and "1.40G params/s" in note
+    # The same host beside copies that halve when both run: the share would not pay.
+    slowed = dict(rates, host_params_per_s_both=0.7e9, copy_bytes_per_s_both=19e9)
+    share, note = planner.hybrid_share(slowed, chunks, 2)
+    assert share == 0 and "picked 0" in note and "together 0.70G and 19.0 GB/s" in note
+
+
+def test_hybrid_share_is_measured_when_asked(monkeypatch):
+    """The plan measures the rates (here, on the CPU: a real measurement, whatever it picks)
+    and says what it picked; with rates where the host pays, it takes chunks."""
+    from angel_jax.offload import cpu
+
+    rates = cpu.measure_rates(
+        planner_optimizer(), (jax.tree_util.DictKey("kernel"),), np.dtype("bfloat16"), 0.05
+    )
+    assert all(r > 0 for r in rates.values()), rates
+    config = small_config(offload__policy="optimizer", offload__cpu_update=-1.0)
+    plan = build(config, make_mesh(config.mesh)).plan
+    assert "cpu_update=-1 picked" in plan.cpu_note
+    fast_host = dict(
+        host_params_per_s=1e12,
+        copy_bytes_per_s=1e9,
+        host_params_per_s_both=1e12,
+        copy_bytes_per_s_both=1e9,
+    )
+    monkeypatch.setattr(cpu, "measure_rates", lambda *a, **k: fast_host)
+    monkeypatch.setattr("angel_jax.state_layout.measure_rates", lambda *a, **k: fast_host)
+    plan = build(config, make_mesh(config.mesh)).plan
+    assert plan.on_cpu and "cpu_update=-1 picked" in plan.cpu_note, plan.cpu_note
+
+
+def planner_optimizer():
+    from angel_jax.optim import make_optimizer
+
+    return make_optimizer(small_config().train)
+
+
 def test_ssd_tier_is_offered_when_nothing_fits(three_tiers):
     kw, _, _ = three_tiers
     with pytest.raises(ConfigError, match=r"an SSD tier \(config.offload.ssd_dir"):

@@ -127,6 +127,67 @@ class CPUTier:
         return self._fns[c.weight]
 
 
+def measure_rates(optimizer: Optimizer, path, dtype, seconds: float = 0.25) -> dict:
+    """What the hybrid share is picked from (`planner.hybrid_share`), measured here and now:
+    the host's update rate (parameters/s: the optimizer's own update of `path`'s kind on JAX's
+    CPU backend, the pool's THREADS threads at once) and pinned-host <-> device copies (bytes/s
+    each way, both ways at once), each alone and then both together (they share the host's
+    memory bus and the interpreter: on the H200 the device's update slowed beside the host's,
+    see the module's docstring)."""
+    cpu, device = jax.devices("cpu")[0], jax.devices()[0]
+    rows = 1024  # 4M parameters a thread: one chunk's worth of work, under a second.
+    master = jax.device_put(np.zeros((rows, 4096), np.float32), cpu)
+    state = jax.device_put(optimizer.init_leaf(path, master), cpu)
+
+    @jax.jit
+    def update(grad, master, state):
+        master, state = optimizer.update_leaf(path, grad, state, master)
+        return master, state, master.astype(dtype)
+
+    grads = [jax.device_put(np.full(master.shape, 1e-3, np.float32), cpu) for _ in range(THREADS)]
+    jax.block_until_ready(update(grads[0], master, state))  # Compiled.
+    host = jax.device_put(
+        np.zeros(2**24, np.float32), jax.sharding.SingleDeviceSharding(device, memory_kind=HOST)
+    )
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    jax.block_until_ready(jax.device_put(jax.device_put(host, on_device), host.sharding))
+
+    def updates(deadline):
+        done = 0
+        while time.perf_counter() < deadline:
+            jax.block_until_ready(update(grads[0], master, state))
+            done += master.size
+        return done
+
+    def copies(deadline):
+        done = 0
+        while time.perf_counter() < deadline:
+            jax.block_until_ready(jax.device_put(jax.device_put(host, on_device), host.sharding))
+            done += host.nbytes
+        return done
+
+    def run(host_side: bool, copy_side: bool) -> tuple[float, float]:
+        deadline = time.perf_counter() + seconds
+        with futures.ThreadPoolExecutor(THREADS + 1) as pool:
+            ups = [pool.submit(updates, deadline) for _ in range(THREADS if host_side else 0)]
+            moved = pool.submit(copies, deadline) if copy_side else _done()
+            start = time.perf_counter()
+            total = sum(f.result() for f in ups)
+            nbytes = moved.result() or 0
+        wall = max(time.perf_counter() - start, 1e-9)
+        return total / wall, nbytes / wall
+
+    host_rate, _ = run(True, False)
+    _, copy_rate = run(False, True)
+    host_both, copy_both = run(True, True)
+    return dict(
+        host_params_per_s=host_rate,
+        copy_bytes_per_s=copy_rate,
+        host_params_per_s_both=host_both,
+        copy_bytes_per_s_both=copy_both,
+    )
+
+
 @jax.jit
 def _layer_of(grad, layer):
     return jax.lax.dynamic_index_in_dim(grad, layer, keepdims=False)

@@ -259,12 +259,13 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     if m.num_experts:
         f, k, policy = m.moe_ffn_dim or m.ffn_dim, m.experts_per_token, REMATS[m.remat]
         ffn = (k + m.shared_experts) * f
-        if m.router == "dropless" and policy.expert_rows:
+        if m.router == "dropless" and any(policy.expert_rows):
             # Beyond the FFN widths of a token's k routed rows: dropless keeps rows for its
             # expert group's assignments (each rank gathers the group's tokens), and their
-            # weighted hidden rows too.
-            keeps = (policy.widths[3] + policy.expert_rows) * mesh.shape[EXPERT]
-            routed = (keeps - policy.widths[3]) * k * f / tensor
+            # weighted hidden rows and sorted input rows too.
+            group, (hidden, inputs) = mesh.shape[EXPERT], policy.expert_rows
+            keeps = ((policy.widths[3] + hidden) * f / tensor + inputs * m.d_model) * group
+            routed = (keeps - policy.widths[3] * f / tensor) * k
     widths = per_device_widths(
         m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), ffn, tensor, m.sequence_parallel
     )
@@ -337,12 +338,15 @@ def make_plan(
     opt,
     stacked,
     inputs_offloadable: bool,
+    measure_rates=None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
     `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
-    `inputs_offloadable`: the model's layers can keep their inputs in host memory.
+    `inputs_offloadable`: the model's layers can keep their inputs in host memory;
+    `measure_rates`: () -> the rates `hybrid_share` takes (`cpu.measure_rates`), called when
+    config.offload.cpu_update is -1 and the plan offloads the optimizer.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -464,7 +468,14 @@ def make_plan(
             if not plan.offloads_optimizer:
                 return plan
             chunks = _chunks(offloaded_masters, opt, stacked)
-            plan = _with_cpu_update(plan, config.offload.cpu_update, chunks)
+            share, note = config.offload.cpu_update, ""
+            if share < 0:
+                share, note = hybrid_share(measure_rates(), chunks, compute_dtype.itemsize)
+            plan = _with_cpu_update(plan, share, chunks)
+            if note:
+                plan = dataclasses.replace(
+                    plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
+                )
             local_devices = max(1, mesh.size // jax.process_count())
             return dataclasses.replace(plan, host_warning=pool_warning(plan, local_devices))
     plan = candidates[-1]
@@ -487,6 +498,41 @@ def make_plan(
     raise ConfigError(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
         f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )
+
+
+def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
+    """(share of the host chunks' parameters for the host's cores, the line that says why)
+    from measured `rates` (`cpu.measure_rates`). A parameter updated on the device moves its
+    master and state each way; one updated by the host moves its grad down and its compute
+    copy up and costs the host's update. Both run at once, at the rates measured together:
+    the share that has them finish together, unless that is not 5% faster than the device's
+    update alone at its own rates (then 0)."""
+    host = [(m, s) for k, m, s in chunks]
+    params = sum(m for m, _ in host) / 4
+    moved = sum(m + s for m, s in host) / max(params, 1)  # Bytes each way per parameter.
+    device = lambda copy: moved / copy
+    on_host = lambda update, copy: 1 / update + 2 * compute_bytes / copy
+    alone = device(rates["copy_bytes_per_s"])
+    d, h = (
+        device(rates["copy_bytes_per_s_both"]),
+        on_host(rates["host_params_per_s_both"], rates["copy_bytes_per_s_both"]),
+    )
+    share, both = d / (d + h), d * h / (d + h)
+    g = {name: rate / 1e9 for name, rate in rates.items()}
+    measured = (
+        f"host update {g['host_params_per_s']:.2f}G params/s, copies "
+        f"{g['copy_bytes_per_s']:.1f} GB/s; together {g['host_params_per_s_both']:.2f}G and "
+        f"{g['copy_bytes_per_s_both']:.1f} GB/s"
+    )
+    if both > 0.95 * alone:
+        return 0.0, (
+            f"cpu_update=-1 picked 0 (measured {measured}: a {share:.0%} share would take "
+            f"{both * 1e9:.2f} s per G params against {alone * 1e9:.2f} s on the device alone)"
+        )
+    return share, (
+        f"cpu_update=-1 picked {share:.0%} (measured {measured}: {both * 1e9:.2f} s per G params "
+        f"against {alone * 1e9:.2f} s on the device alone)"
     )
 
 

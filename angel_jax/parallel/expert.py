@@ -191,14 +191,15 @@ def dropless_experts(x_ND, top_e, top_p, gate, up, down, first, kernel: str, all
     order = jnp.argsort(key, stable=True)  # Sorted row -> assignment (token * K + choice).
     position = jnp.zeros_like(order).at[order].set(jnp.arange(m), unique_indices=True)
     sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-    grouped = lambda x, w: ragged_dot(x, w, sizes, kernel, every_row=all_local)
-    # Saved by the dots remat policies: the experts' bf16 weights, the gate+up output and the
-    # weighted hidden rows (the down projection's input, which its dW takes). The barrier keeps
+    # Saved by the dots remat policies: the assignments' sorted rows, gate+up output and
+    # weighted hidden rows (the projections' dW take the first and last) and the sort's
+    # indices, so the backward recomputes neither gathers nor the sort. The barrier keeps
     # XLA:GPU from fusing a kernel into the scan's stacking of saved values: it then ran the
     # kernel twice, once for the stack and once for the layer (seen in the compiled HLO).
     saved = lambda a: checkpoint_name(jax.lax.optimization_barrier(a), "experts")
-    gate_up, down = saved(jnp.concatenate([gate, up], -1)), saved(down)
-    h = saved(grouped(sorted_rows(x_ND, order, position), gate_up))
+    order, position, sizes = saved((order, position, sizes))
+    grouped = lambda x, w: ragged_dot(x, w, sizes, kernel, every_row=all_local)
+    h = saved(grouped(saved(sorted_rows(x_ND, order, position)), jnp.concatenate([gate, up], -1)))
     weight = jnp.where(mine, top_p.reshape(-1), 0.0)[order]  # (M,), sorted.
     a = saved((swiglu(h) * weight[:, None]).astype(h.dtype))
     return summed_rows(grouped(a, down), order, position, n)
