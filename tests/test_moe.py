@@ -232,11 +232,13 @@ def nn_specs(params, rules):
     )
 
 
-@pytest.mark.parametrize("router", ["topk", "expert_choice", "dropless"])
+# Expert choice is left to the layer tests (exact there, for every layout): in training its
+# cut flips between near-tied tokens with the layout's rounding, so only its losses compared,
+# for 40 s of the suite's 15 minutes.
+@pytest.mark.parametrize("router", ["topk", "dropless"])
 def test_training_with_experts_split_over_devices_equals_one_expert_rank(router):
     """EP=4 against EP=1 on the same 8 devices (data parallel only): routing is a
-    discontinuous choice, so the reference shares the batch split's float rounding (against a
-    single device, expert choice flips a near-tied token)."""
+    discontinuous choice, so the reference shares the batch split's float rounding."""
     from tests.test_train_parity import run_steps, small_config
 
     moe = dict(model__num_experts=8, model__moe_ffn_dim=32, model__router=router)
@@ -246,13 +248,6 @@ def test_training_with_experts_split_over_devices_equals_one_expert_rank(router)
     )
     for mesh in (dict(mesh__data=2, mesh__expert=4),):
         _, grads, losses, params = run_steps(small_config(**mesh, **moe), jax.devices())
-        if router == "expert_choice":
-            # An expert's cut (its C-th vs C+1-th token) can flip between near-tied tokens
-            # with the layout's float rounding, and a flip moves single grads by ~1e-4 and
-            # grows over steps; so only the losses here (the layer test shows expert choice's
-            # exchange exact).
-            np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-            continue
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
         jax.tree.map(close, grads, ref_grads)
