@@ -78,12 +78,7 @@ class Checkpointer:
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
         previous_hook = sys.unraisablehook
         sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
-        # A damaged file fails the reads in flight, each logged by asyncio when collected,
-        # which can come before the failure reaches here (seen on a loaded CPU): quiet from
-        # the start, the level given back when the restore succeeds.
-        asyncio_log = logging.getLogger("asyncio")
-        previous_level = asyncio_log.level
-        asyncio_log.setLevel(logging.CRITICAL)
+        _quiet_abandoned_futures()
         try:
             meta = self.manager.restore(
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
@@ -94,7 +89,6 @@ class Checkpointer:
         saved_policy = meta.get("offload_policy", "none")
         if saved_policy != offload_policy:
             sys.unraisablehook = previous_hook
-            asyncio_log.setLevel(previous_level)
             raise ConfigError(
                 f"checkpoint {self.directory / str(step)} holds state laid out for "
                 f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
@@ -112,7 +106,6 @@ class Checkpointer:
             _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
         sys.unraisablehook = previous_hook
-        asyncio_log.setLevel(previous_level)
         return restored.state, int(restored.data["next_batch_index"])
 
     def restore_latest(self, abstract_state, offload_policy: str = "none") -> Restored | None:
@@ -168,9 +161,6 @@ class Checkpointer:
 
     def _unreadable(self, step: int, error: Exception) -> ConfigError:
         reason = one_line_reason(error)
-        # Reads still in flight fail later, each logged by asyncio as "Future exception was
-        # never retrieved" when collected; the failure is reported once, here.
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         return UnreadableCheckpoint(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
             "directory to start over, or pass a new --workdir (also if the model config changed "
@@ -203,6 +193,22 @@ def _everywhere(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+class _AbandonedFutures(logging.Filter):
+    """Drops asyncio's reports of futures whose exception nobody retrieved: a damaged file
+    fails orbax's reads in flight, each reported when collected, which can come before the
+    failure reaches the checkpointer (seen on a loaded CPU) or long after; the failure itself
+    is reported once, as one line. Only that report: asyncio's other errors still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+def _quiet_abandoned_futures() -> None:
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedFutures) for f in log.filters):
+        log.addFilter(_AbandonedFutures())
 
 
 def _quiet_abandoned_reads() -> None:

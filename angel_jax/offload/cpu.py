@@ -130,51 +130,55 @@ class CPUTier:
 def measure_rates(optimizer: Optimizer, path, dtype, seconds: float = 0.25) -> dict:
     """What the hybrid share is picked from (`planner.hybrid_share`), measured here and now:
     the host's update rate (parameters/s: the optimizer's own update of `path`'s kind on JAX's
-    CPU backend, the pool's THREADS threads at once) and pinned-host <-> device copies (bytes/s
-    each way, both ways at once), each alone and then both together (they share the host's
-    memory bus and the interpreter: on the H200 the device's update slowed beside the host's,
-    see the module's docstring)."""
-    cpu, device = jax.devices("cpu")[0], jax.devices()[0]
-    rows = 1024  # 4M parameters a thread: one chunk's worth of work, under a second.
-    master = jax.device_put(np.zeros((rows, 4096), np.float32), cpu)
-    state = jax.device_put(optimizer.init_leaf(path, master), cpu)
+    CPU backend, donated as the tier's is, on the pool's THREADS threads at once) and copies
+    between pinned host memory and this process's first device (bytes/s, down and back in
+    turn), each alone and then both together (they share the host's memory bus and the
+    interpreter: on the H200 the device's update slowed beside the host's, see above)."""
+    cpu, device = jax.devices("cpu")[0], jax.local_devices()[0]
+    shape = (1024, 4096)  # 4M parameters a thread: one chunk's worth of work, under a second.
 
-    @jax.jit
     def update(grad, master, state):
         master, state = optimizer.update_leaf(path, grad, state, master)
         return master, state, master.astype(dtype)
 
-    grads = [jax.device_put(np.full(master.shape, 1e-3, np.float32), cpu) for _ in range(THREADS)]
-    jax.block_until_ready(update(grads[0], master, state))  # Compiled.
-    host = jax.device_put(
-        np.zeros(2**24, np.float32), jax.sharding.SingleDeviceSharding(device, memory_kind=HOST)
-    )
+    update = jax.jit(update, donate_argnums=(1, 2))
+    own = []  # Each thread's grad, master and state.
+    for _ in range(THREADS):
+        master = jax.device_put(np.zeros(shape, np.float32), cpu)
+        grad = jax.device_put(np.full(shape, 1e-3, np.float32), cpu)
+        own.append([grad, master, jax.device_put(optimizer.init_leaf(path, master), cpu)])
+    own[0][1:] = jax.block_until_ready(update(*own[0]))[:2]  # Compiled.
+    host_memory = jax.sharding.SingleDeviceSharding(device, memory_kind=HOST)
+    host = jax.device_put(np.zeros(2**24, np.float32), host_memory)
     on_device = jax.sharding.SingleDeviceSharding(device)
-    jax.block_until_ready(jax.device_put(jax.device_put(host, on_device), host.sharding))
+    round_trip = lambda: jax.block_until_ready(
+        jax.device_put(jax.device_put(host, on_device), host_memory)
+    )
+    round_trip()
 
-    def updates(deadline):
+    def updates(mine, deadline):
         done = 0
         while time.perf_counter() < deadline:
-            jax.block_until_ready(update(grads[0], master, state))
-            done += master.size
+            mine[1:] = jax.block_until_ready(update(*mine))[:2]
+            done += mine[1].size
         return done
 
     def copies(deadline):
         done = 0
         while time.perf_counter() < deadline:
-            jax.block_until_ready(jax.device_put(jax.device_put(host, on_device), host.sharding))
+            round_trip()
             done += host.nbytes
         return done
 
     def run(host_side: bool, copy_side: bool) -> tuple[float, float]:
-        deadline = time.perf_counter() + seconds
+        start = time.perf_counter()
+        deadline = start + seconds
         with futures.ThreadPoolExecutor(THREADS + 1) as pool:
-            ups = [pool.submit(updates, deadline) for _ in range(THREADS if host_side else 0)]
+            ups = [pool.submit(updates, mine, deadline) for mine in (own if host_side else [])]
             moved = pool.submit(copies, deadline) if copy_side else _done()
-            start = time.perf_counter()
             total = sum(f.result() for f in ups)
             nbytes = moved.result() or 0
-        wall = max(time.perf_counter() - start, 1e-9)
+        wall = time.perf_counter() - start
         return total / wall, nbytes / wall
 
     host_rate, _ = run(True, False)

@@ -469,8 +469,11 @@ def make_plan(
                 return plan
             chunks = _chunks(offloaded_masters, opt, stacked)
             share, note = config.offload.cpu_update, ""
-            if share < 0:
-                share, note = hybrid_share(measure_rates(), chunks, compute_dtype.itemsize)
+            if share < 0 and jax.process_count() > 1:
+                share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
+            elif share < 0:
+                host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
+                share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
             plan = _with_cpu_update(plan, share, chunks)
             if note:
                 plan = dataclasses.replace(
@@ -502,38 +505,31 @@ def make_plan(
 
 
 def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
-    """(share of the host chunks' parameters for the host's cores, the line that says why)
-    from measured `rates` (`cpu.measure_rates`). A parameter updated on the device moves its
-    master and state each way; one updated by the host moves its grad down and its compute
-    copy up and costs the host's update. Both run at once, at the rates measured together:
-    the share that has them finish together, unless that is not 5% faster than the device's
-    update alone at its own rates (then 0)."""
-    host = [(m, s) for k, m, s in chunks]
-    params = sum(m for m, _ in host) / 4
-    moved = sum(m + s for m, s in host) / max(params, 1)  # Bytes each way per parameter.
-    device = lambda copy: moved / copy
-    on_host = lambda update, copy: 1 / update + 2 * compute_bytes / copy
-    alone = device(rates["copy_bytes_per_s"])
-    d, h = (
-        device(rates["copy_bytes_per_s_both"]),
-        on_host(rates["host_params_per_s_both"], rates["copy_bytes_per_s_both"]),
-    )
-    share, both = d / (d + h), d * h / (d + h)
+    """(share of the host `chunks`' parameters for the host's cores, the line that says why)
+    from measured `rates` (`cpu.measure_rates`; copies in bytes down and the same bytes back
+    per second). A parameter updated on the device moves its master and state down and back;
+    one updated by the host moves its grad down and its compute copy back, through the same
+    link, and costs the host's update. With both running, at the rates measured together, the
+    link's time falls and the host's grows with the share: the share where they meet, unless
+    that is not 5% faster than the device's update alone at its own rates (then 0)."""
+    params = sum(m for _, m, _ in chunks) / 4
+    moved = sum(m + s for _, m, s in chunks) / max(params, 1)  # Bytes each way a parameter.
     g = {name: rate / 1e9 for name, rate in rates.items()}
     measured = (
         f"host update {g['host_params_per_s']:.2f}G params/s, copies "
         f"{g['copy_bytes_per_s']:.1f} GB/s; together {g['host_params_per_s_both']:.2f}G and "
         f"{g['copy_bytes_per_s_both']:.1f} GB/s"
     )
+    if min(rates.values()) <= 0:
+        return 0.0, f"cpu_update=-1 picked 0 (a rate measured 0: {measured})"
+    link, update = rates["copy_bytes_per_s_both"], rates["host_params_per_s_both"]
+    share = (moved / link) / (1 / update + moved / link)
+    both = share * (1 / update + compute_bytes / link)  # = the link's time at that share.
+    alone = moved / rates["copy_bytes_per_s"]
+    times = f"{both * 1e9:.2f} s per G params against {alone * 1e9:.2f} s on the device alone"
     if both > 0.95 * alone:
-        return 0.0, (
-            f"cpu_update=-1 picked 0 (measured {measured}: a {share:.0%} share would take "
-            f"{both * 1e9:.2f} s per G params against {alone * 1e9:.2f} s on the device alone)"
-        )
-    return share, (
-        f"cpu_update=-1 picked {share:.0%} (measured {measured}: {both * 1e9:.2f} s per G params "
-        f"against {alone * 1e9:.2f} s on the device alone)"
-    )
+        return 0.0, f"cpu_update=-1 picked 0 (measured {measured}: {share:.0%} would take {times})"
+    return share, f"cpu_update=-1 picked {share:.0%} (measured {measured}: {times})"
 
 
 def _with_cpu_update(plan: Plan, share: float, chunks) -> Plan:
