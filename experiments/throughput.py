@@ -6,7 +6,10 @@
 Each system runs in its own process (a clean GPU each), on the same shape with random tokens;
 the table and the JSON give tokens/s, MFU (the baselines' formula, 989 TFLOP/s peak) and
 peak memory, and each system's ratio to the plain JAX baseline.
-`--child CONFIG [overrides]` is the per-variant worker for our runs.
+`--child CONFIG [overrides]` is the per-variant worker for our runs. Every experiment's
+child processes go through `run`: with RUN_TIMEOUT_S=N in the environment each is stopped after
+N seconds and recorded as timed out, and the experiment goes on to its next run (a device
+call's time limit otherwise ends the whole job, and its file, at the first slow child).
 """
 
 import argparse
@@ -213,8 +216,16 @@ def run_ours(
 
 def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) -> dict:
     """The last JSON line `cmd` prints, or its exit code and last lines; `log` keeps all of its
-    stderr."""
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    stderr. RUN_TIMEOUT_S (seconds, 0 or unset: none) limits it."""
+    limit = float(os.environ.get("RUN_TIMEOUT_S") or 0) or None
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        if log:
+            pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(log).write_text(_text(e.stderr))
+        tail = _text(e.stderr).strip().splitlines()[-3:]
+        return dict(error=[f"timed out after {limit:.0f} s (RUN_TIMEOUT_S)", *tail])
     if log:
         pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(log).write_text(proc.stderr)
@@ -225,6 +236,11 @@ def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) ->
         errors = [line for line in output if "Error" in line or "error:" in line][-3:]
         return dict(error=[f"exit code {proc.returncode}", *errors, *output[-5:]])
     return json.loads(lines[-1])
+
+
+def _text(output) -> str:
+    """A TimeoutExpired's captured output (bytes, str or None) as text."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def machine() -> dict:
