@@ -468,13 +468,13 @@ def make_plan(
             if not plan.offloads_optimizer:
                 return plan
             chunks = _chunks(offloaded_masters, opt, stacked)
+            host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
             share, note = config.offload.cpu_update, ""
             if share < 0 and jax.process_count() > 1:
                 share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
             elif share < 0:
-                host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
                 share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
-            plan = _with_cpu_update(plan, share, chunks)
+            plan = _with_cpu_update(plan, share, host)
             if note:
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
@@ -532,11 +532,10 @@ def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
     return share, f"cpu_update=-1 picked {share:.0%} (measured {measured}: {times})"
 
 
-def _with_cpu_update(plan: Plan, share: float, chunks) -> Plan:
-    """`plan` with `share` of its host-memory chunks' parameters updated by the host's cores,
-    spread over the update's order, so that both the host and the device work from its
+def _with_cpu_update(plan: Plan, share: float, host) -> Plan:
+    """`plan` with `share` of its host-memory chunks' (`host`) parameters updated by the host's
+    cores, spread over the update's order, so that both the host and the device work from its
     start."""
-    host = [(k, m, s) for k, m, s in chunks if k not in plan.resident and k not in plan.on_ssd]
     if share > 0 and jax.process_count() > 1:
         raise ConfigError(
             f"config.offload.cpu_update={share}: the hybrid update runs in one process only "

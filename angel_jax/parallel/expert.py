@@ -199,7 +199,8 @@ def dropless_experts(x_ND, top_e, top_p, gate, up, down, first, kernel: str, all
     saved = lambda a: checkpoint_name(jax.lax.optimization_barrier(a), "experts")
     order, position, sizes = saved((order, position, sizes))
     grouped = lambda x, w: ragged_dot(x, w, sizes, kernel, every_row=all_local)
-    h = saved(grouped(saved(sorted_rows(x_ND, order, position)), jnp.concatenate([gate, up], -1)))
+    rows = saved(sorted_rows(x_ND, order, position))
+    h = saved(grouped(rows, jnp.concatenate([gate, up], -1)))
     weight = jnp.where(mine, top_p.reshape(-1), 0.0)[order]  # (M,), sorted.
     a = saved((swiglu(h) * weight[:, None]).astype(h.dtype))
     return summed_rows(grouped(a, down), order, position, n)
