@@ -14,10 +14,10 @@ Three programs over the same stacked MLP layers (a stand-in for a decoder's):
            fetched one iteration ahead (carried), so its copy waits on nothing the iteration
            computes.
 If the copies overlap the compute, fused takes about max(compute, update); if not, their sum.
-Measured on an H200 (fused_update_probe.json, 8 layers): fused 486 ms against 79 + 416, no
-copy-start in the compiled program (XLA ran the in-scan host copies synchronously); the
-prefetched form and XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true are not
-measured yet.
+Measured on an H200 (fused_update_probe.json, 8 layers): fused 493 ms against 80 + 417,
+520 ms with XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true, the prefetched form
+slower still (536 / 563 ms); no copy-start in any compiled program (XLA:GPU runs the in-scan
+host copies synchronously).
 The fused program's grads, new masters and moments are checked against the update followed by
 the forward/backward, and the compiled fused program's asynchronous copies and host-memory
 arrays are counted. A probe for the design, not a trainer feature.
@@ -175,7 +175,9 @@ def main() -> int:
     ref_loss, ref_dw = compute_jit(ref_weights, h)
     for program in (fused_jit, prefetch_jit):
         loss, dw, new_state = program(state, grads, count, h)
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        # A sum over bf16 products: another fusion order (XLA's pipelined host offloading)
+        # moved it by 1.02e-5 on the H200.
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-4)
         for got, want in zip(
             jax.tree.leaves((dw, new_state)), jax.tree.leaves((ref_dw, ref_state)), strict=True
         ):

@@ -18,6 +18,7 @@ from throughput import ROOT, run, run_ours, write_results
 # broken-down step instead.
 OPT = ["--config.offload.policy=optimizer"]
 DEVICE_UPDATE = [*OPT, "--config.offload.cpu_update=0"]  # The device updates every chunk.
+HYBRID = [*OPT, "--config.offload.cpu_update=-1"]  # The share picked from measured rates.
 IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
 # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
 # About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
@@ -25,7 +26,7 @@ BIG = ["--config.zero_stage=1", "--config.train.batch_size=128"]
 FP8 = ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]
 # (name, config, overrides, steps timed or None for the default); steps=0 times the one
 # broken-down step instead. "hybrid": the host's cores update a share of the chunks
-# (config.offload.cpu_update; by default the planner's share from measured rates).
+# (config.offload.cpu_update; -1: the planner's share from measured rates).
 VARIANTS = [
     ("llama_1b none", "llama_1b", ["--config.offload.policy=none"], None),
     ("llama_1b optimizer, device update", "llama_1b", DEVICE_UPDATE, None),
@@ -35,8 +36,8 @@ VARIANTS = [
         DEVICE_UPDATE + IN_FLIGHT_8,
         None,
     ),
-    ("llama_1b optimizer, hybrid", "llama_1b", OPT, None),
-    ("llama_1b optimizer, hybrid, 8 in flight", "llama_1b", OPT + IN_FLIGHT_8, None),
+    ("llama_1b optimizer, hybrid", "llama_1b", HYBRID, None),
+    ("llama_1b optimizer, hybrid, 8 in flight", "llama_1b", HYBRID + IN_FLIGHT_8, None),
     (
         "llama_1b optimizer, hybrid 25%, 8 in flight",
         "llama_1b",
