@@ -103,6 +103,11 @@ def _train_loop(
     for line in kernels.banner(config.model, mesh.shape["context"] > 1):
         say(line)
     say(exp.plan.table())
+    if config.offload.delayed_update:
+        say(
+            "note: config.offload.delayed_update=true: each step's update runs during the next "
+            "step, which computes on weights one update behind"
+        )
     if exp.pipeline:
         say(exp.pipeline.table())
     if t.lr_scaling != "none":
@@ -168,6 +173,7 @@ def _train_loop(
         rollback = monitor.observe(step, metrics, data_index, sync=saving)
         if rollback:
             ckpt.manager.wait_until_finished()  # Then free the state before restoring.
+            exp.steps.pending = None  # A delayed update of the steps rolled back: dropped.
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
             state, _ = _restore_or_init(exp, ckpt, monitor, say)
             step, data_index = int(jax.device_get(state.step)), rollback.data_index
@@ -179,6 +185,7 @@ def _train_loop(
             if pending:  # Read already: metrics.jsonl is complete up to every checkpoint.
                 log(*pending)
                 pending = None
+            state = exp.settled(state)  # A delayed update goes in first: resume is exact.
             ckpt.save(step, exp.checkpointed(state), data_index, exp.plan.policy)
             monitor.saved(step)
         if stopping:

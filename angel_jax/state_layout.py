@@ -111,6 +111,12 @@ def make_state_layout(
             optimizer, _largest_path(abstract_params), jnp.dtype(config.model.dtype)
         ),
     )
+    if config.offload.delayed_update and not plan.offloads_optimizer:
+        raise ConfigError(
+            "config.offload.delayed_update=true delays the offloaded optimizer update, and "
+            f"the plan's policy ({plan.policy}) keeps the optimizer on the device: set "
+            "config.offload.policy=optimizer or params, or delayed_update=false"
+        )
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)

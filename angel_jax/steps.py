@@ -32,6 +32,7 @@ class _Step:
         self.exp = exp
         self.replicated = NamedSharding(exp.mesh, P())
         self._ceiling = {}  # The loss ceiling's device copy, made again only when it changes.
+        self.pending = None  # An update that waits (`OffloadedStep`'s delayed update).
 
     def abstract_batch(self):
         t = self.exp.config.train
@@ -54,6 +55,10 @@ class _Step:
         if jax.default_backend() != "cpu" or exp.config.offload.device_gib <= 0:
             check_compiled(exp.plan, compiled.memory_analysis())
         return compiled
+
+    def settle(self, state: TrainState) -> TrainState:
+        """`state` with any update still waiting applied (`OffloadedStep`'s delayed update)."""
+        return state
 
     def ceiling_array(self, ceiling: float) -> jax.Array:
         value = np.float32(min(ceiling, np.finfo(np.float32).max))
@@ -117,7 +122,22 @@ class DeviceStep(_Step):
 class OffloadedStep(_Step):
     """A compiled forward/backward (`grad_step`), then the streamed update of the offloaded
     state (`apply`). The guarded step reads the loss and grad norm on the host (one sync a
-    step) before the update, which it leaves out when they are anomalous."""
+    step) before the update, which it leaves out when they are anomalous.
+
+    With config.offload.delayed_update the update of step t's grads waits (`pending`) and
+    runs after step t+1's forward/backward is dispatched, while the device computes it;
+    `settle` applies a waiting update (before a checkpoint)."""
+
+    def __init__(self, exp):
+        super().__init__(exp)
+        self.delayed = exp.config.offload.delayed_update  # pending: (grads, clipping scale).
+
+    def settle(self, state: TrainState) -> TrainState:
+        if self.pending is None:
+            return state
+        (grads, scale), self.pending = self.pending, None
+        with sharding.use_rules(self.exp.mesh, self.exp.rules):
+            return self.apply(state, state.step, grads, scale)
 
     def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
         """(step + 1, grads, their clipping scale, metrics). The compute copy gives the same
@@ -163,7 +183,11 @@ class OffloadedStep(_Step):
         def run(state, batch):
             with sharding.use_rules(exp.mesh, exp.rules):
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
-                return self.apply(state, step, grads, scale), metrics
+                if not self.delayed:
+                    return self.apply(state, step, grads, scale), metrics
+            state = self.settle(state)  # The last step's update, while this one computes.
+            self.pending = (grads, scale)
+            return state.replace(step=step), metrics
 
         return run
 
@@ -174,12 +198,15 @@ class OffloadedStep(_Step):
         def run(state, batch, ceiling):
             with sharding.use_rules(exp.mesh, exp.rules):
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
+                state = self.settle(state)  # Delayed: the last step's, before this one's read.
                 loss, norm = (
                     float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
                 )
                 ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
                 metrics["skipped"] = np.int32(not ok)
-                if not ok:
+                if self.delayed:
+                    self.pending = (grads, scale) if ok else None
+                if self.delayed or not ok:
                     return state.replace(step=step), metrics
                 return self.apply(state, step, grads, scale), metrics
 

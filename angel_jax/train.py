@@ -188,6 +188,11 @@ class Experiment:
         (`monitor.skip_if_anomalous`; the step count advances, metrics["skipped"] says it)."""
         return self.steps.guarded_train_step
 
+    def settled(self, state: TrainState) -> TrainState:
+        """`state` with a delayed update still waiting applied (config.offload.delayed_update):
+        what a checkpoint holds."""
+        return self.steps.settle(state)
+
     def global_batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of the batch -> one global array laid out for the step."""
         shape = (self.config.train.batch_size, rows.shape[1])

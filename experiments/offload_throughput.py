@@ -20,6 +20,9 @@ OPT = ["--config.offload.policy=optimizer"]
 DEVICE_UPDATE = [*OPT, "--config.offload.cpu_update=0"]  # The device updates every chunk.
 HYBRID = [*OPT, "--config.offload.cpu_update=-1"]  # The share picked from measured rates.
 IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
+DELAYED = ["--config.offload.delayed_update=true"]  # Stale by one step: see the README.
+# The ZeRO-Cache issue's 8B benchmark shape: 16 x 8192 tokens (128k) a step.
+TOKENS_128K = ["--config.zero_stage=1", "--config.train.batch_size=16"]
 # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
 # About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
 BIG = ["--config.zero_stage=1", "--config.train.batch_size=128"]
@@ -48,6 +51,24 @@ VARIANTS = [
         "llama_1b optimizer, hybrid 40%, 8 in flight",
         "llama_1b",
         [*OPT, *IN_FLIGHT_8, "--config.offload.cpu_update=0.4"],
+        None,
+    ),
+    (
+        "llama_1b optimizer, delayed, device update, 8 in flight",
+        "llama_1b",
+        DEVICE_UPDATE + IN_FLIGHT_8 + DELAYED,
+        None,
+    ),
+    (
+        "llama_1b optimizer, delayed, host 50%, 8 in flight",
+        "llama_1b",
+        [*OPT, *IN_FLIGHT_8, "--config.offload.cpu_update=0.5", *DELAYED],
+        None,
+    ),
+    (
+        "llama_1b optimizer, delayed, host 100%",
+        "llama_1b",
+        [*OPT, "--config.offload.cpu_update=1", *DELAYED],
         None,
     ),
     ("llama_1b params", "llama_1b", ["--config.offload.policy=params"], None),
@@ -84,14 +105,32 @@ VARIANTS = [
     (
         "llama3_8b fp8 hybrid, 128 x 8192 in 128 microbatches, fp8 matmul + lm head",
         "llama3_8b",
-        [*OPT, *BIG, "--config.train.microbatches=128", *FP8],
+        [*HYBRID, *BIG, "--config.train.microbatches=128", *FP8],
         0,
     ),
     (
         "llama3_8b fp8 hybrid, 128 x 8192 in 64 microbatches, fp8 matmul + lm head",
         "llama3_8b",
-        [*OPT, *BIG, "--config.train.microbatches=64", *FP8],
+        [*HYBRID, *BIG, "--config.train.microbatches=64", *FP8],
         0,
+    ),
+    (
+        "llama3_8b optimizer, 16 x 8192 in 16 microbatches, device update",
+        "llama3_8b",
+        [*DEVICE_UPDATE, *TOKENS_128K, "--config.train.microbatches=16"],
+        0,
+    ),
+    (
+        "llama3_8b optimizer, 16 x 8192 in 16 microbatches, delayed, host 100%",
+        "llama3_8b",
+        [
+            *OPT,
+            *TOKENS_128K,
+            "--config.train.microbatches=16",
+            "--config.offload.cpu_update=1",
+            *DELAYED,
+        ],
+        2,
     ),
 ]
 

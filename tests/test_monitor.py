@@ -95,10 +95,17 @@ def test_skip_keeps_params_and_moments(exp):
     assert same(jax.device_get(state.params), after)
 
 
-def test_skip_with_offloaded_optimizer_state():
+@pytest.mark.parametrize("delayed", [False, True])
+def test_skip_with_offloaded_optimizer_state(delayed):
     """Offloaded states are updated outside the jitted step: the loss and grad norm are read on
-    the host first, and an anomalous step's streamed update is left out."""
-    config = small_config(offload__policy="optimizer", mesh__data=2, train__batch_size=4)
+    the host first, and an anomalous step's streamed update is left out (delayed: it is not
+    left waiting either)."""
+    config = small_config(
+        offload__policy="optimizer",
+        offload__delayed_update=delayed,
+        mesh__data=2,
+        train__batch_size=4,
+    )
     config.model.num_layers = 1
     exp = build(config, make_mesh(config.mesh, jax.devices()[:2]))
     rows = np.random.default_rng(0).integers(0, 512, (4, 33)).astype(np.int32)
@@ -106,9 +113,11 @@ def test_skip_with_offloaded_optimizer_state():
     bad[3, 0] = 10**6
     state, metrics = exp.guarded_train_step(random_state(exp), exp.global_batch(rows), np.inf)
     assert float(metrics["skipped"]) == 0.0
+    state = exp.settled(state)
     before = jax.device_get((exp.params_numpy(state), state.opt_state, state.compute_params))
     state, metrics = exp.guarded_train_step(state, exp.global_batch(bad), np.inf)
     assert float(metrics["skipped"]) == 1.0 and int(state.step) == 2
+    state = exp.settled(state)
     after = jax.device_get((exp.params_numpy(state), state.opt_state, state.compute_params))
     assert same(after, before)
 

@@ -1,6 +1,7 @@
 """ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
 
 import dataclasses
+import json
 import re
 import types
 
@@ -435,6 +436,56 @@ def test_optimizer_offload_equals_on_device_in_bfloat16():
     # step 3, 5.8e-5 at step 4). A real difference shows sooner: an update 0.1% too large gave
     # 7e-5 by step 3.
     np.testing.assert_allclose(losses, ref_losses, rtol=5e-6)
+
+
+DELAYED = dict(zero_stage=1, mesh__data=8, offload__policy="optimizer", offload__cpu_update=0.5)
+
+
+def test_delayed_update_applies_each_steps_grads_a_step_late():
+    """config.offload.delayed_update: step t+1 computes on the weights without step t's update,
+    which runs while it computes (ZeRO-Offload's DPU), on the host's cores for half the host
+    chunks and on the device for the rest. The losses and the settled params are that
+    schedule run by hand with the undelayed experiment's parts."""
+    config = small_config(offload__delayed_update=True, **DELAYED)
+    exp, state, losses = train(config)
+    assert exp.plan.state_bytes["delayed update's grads"] == exp.plan.state_bytes["grads"]
+    params = exp.params_numpy(exp.settled(state))
+
+    ref = build(small_config(**DELAYED), make_mesh(config.mesh))
+    batch = [ref.global_batch(b) for b in make_batches(config)[:3]]
+    grad_step, apply, s = ref.steps.grad_step, ref.steps.apply, ref.init_state()
+    with sharding.use_rules(ref.mesh, ref.rules):
+        n1, g1, c1, m1 = grad_step(s.step, s.compute_params, batch[0])
+        n2, g2, c2, m2 = grad_step(n1, s.compute_params, batch[1])  # Still the first weights.
+        s = apply(s, n1, g1, c1)
+        n3, g3, c3, m3 = grad_step(n2, s.compute_params, batch[2])
+        s = apply(apply(s, n2, g2, c2), n3, g3, c3)
+    assert losses == [float(m["loss"]) for m in (m1, m2, m3)]
+    assert int(s.step) == 3
+    jax.tree.map(np.testing.assert_array_equal, params, ref.params_numpy(s))
+
+
+def test_delayed_update_is_settled_before_a_checkpoint(tmp_path):
+    """The training loop applies the waiting update before it saves: a run stopped at its
+    checkpoint and resumed logs the uninterrupted run's losses, bitwise."""
+    from angel_jax.loop import train_loop
+
+    def run(workdir, steps):
+        config = small_config(offload__delayed_update=True, **DELAYED)
+        config.train.update(steps=steps, log_every_steps=1)
+        config.checkpoint.every_steps = 2
+        train_loop(config, str(workdir))
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, lines))}
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "resumed", 2)
+    assert run(tmp_path / "resumed", 4) == whole
+
+
+def test_delayed_update_needs_an_offloaded_update():
+    with pytest.raises(ConfigError, match="delayed_update=true delays the offloaded"):
+        build(small_config(offload__delayed_update=True), make_mesh(small_config().mesh))
 
 
 @pytest.mark.parametrize("policy", ["optimizer", "params"])

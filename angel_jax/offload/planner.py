@@ -397,13 +397,21 @@ def make_plan(
                     "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
                 }
             )
+        if config.offload.delayed_update:  # The waiting step's grads beside the next step's.
+            out["delayed update's grads"] = out["grads"]
+            if name == "params":
+                out["delayed update's streamed grads"] = out["streamed grads"]
         return out
 
     host_states = {
         "none": ("offloaded activations",),
         "optimizer": ("offloaded activations", "master params", "optimizer state"),
     }
-    host_states["params"] = host_states["optimizer"] + ("streamed params", "streamed grads")
+    host_states["params"] = host_states["optimizer"] + (
+        "streamed params",
+        "streamed grads",
+        "delayed update's streamed grads",
+    )
 
     def placed(name: str, inputs: str) -> Plan:
         state_bytes = sizes(name)
