@@ -197,8 +197,8 @@ def default_config() -> ml_collections.ConfigDict:
     # One-step delayed update (ZeRO-Offload's DPU; off by default, it changes the math): step
     # t's update runs while step t+1's forward/backward does, so step t+1 computes on weights
     # without step t's update. Only the host cores' share (cpu_update) then overlaps the GPU's
-    # compute: the device's update kernels queue behind the step on its compute stream. A
-    # checkpoint applies the waiting update first, so resuming gives the same run.
+    # compute: the device's copies and update kernels queue behind the step. A checkpoint
+    # applies the waiting update first (resuming from one gives the same run).
     c.offload.delayed_update = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).

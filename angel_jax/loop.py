@@ -173,7 +173,7 @@ def _train_loop(
         rollback = monitor.observe(step, metrics, data_index, sync=saving)
         if rollback:
             ckpt.manager.wait_until_finished()  # Then free the state before restoring.
-            exp.steps.pending = None  # A delayed update of the steps rolled back: dropped.
+            exp.steps.discard()  # A delayed update of the steps rolled back: dropped.
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
             state, _ = _restore_or_init(exp, ckpt, monitor, say)
             step, data_index = int(jax.device_get(state.step)), rollback.data_index

@@ -60,6 +60,10 @@ class _Step:
         """`state` with any update still waiting applied (`OffloadedStep`'s delayed update)."""
         return state
 
+    def discard(self) -> None:
+        """Drops an update still waiting (a rollback's)."""
+        self.pending = None
+
     def ceiling_array(self, ceiling: float) -> jax.Array:
         value = np.float32(min(ceiling, np.finfo(np.float32).max))
         if self._ceiling.get("value") != value:
@@ -124,20 +128,37 @@ class OffloadedStep(_Step):
     state (`apply`). The guarded step reads the loss and grad norm on the host (one sync a
     step) before the update, which it leaves out when they are anomalous.
 
-    With config.offload.delayed_update the update of step t's grads waits (`pending`) and
-    runs after step t+1's forward/backward is dispatched, while the device computes it;
-    `settle` applies a waiting update (before a checkpoint)."""
+    With config.offload.delayed_update the update of step t's grads waits (`pending`): the
+    host cores' share starts at once (its grads' copies down queued before step t+1, so they
+    and the host's update run beside it), and the device's share runs after step t+1's
+    forward/backward is dispatched (queued behind it); `settle` finishes a waiting update
+    (before a checkpoint)."""
 
     def __init__(self, exp):
         super().__init__(exp)
-        self.delayed = exp.config.offload.delayed_update  # pending: (grads, clipping scale).
+        # pending: (grads, clipping scale, the host's share as started).
+        self.delayed = exp.config.offload.delayed_update
 
     def settle(self, state: TrainState) -> TrainState:
         if self.pending is None:
             return state
-        (grads, scale), self.pending = self.pending, None
+        (grads, scale, on_cpu), self.pending = self.pending, None
         with sharding.use_rules(self.exp.mesh, self.exp.rules):
-            return self.apply(state, state.step, grads, scale)
+            return self.apply(state, state.step, grads, scale, on_cpu)
+
+    def discard(self) -> None:
+        # The host's share runs on: let it finish before the restore writes its chunks.
+        for _, done in self.pending[2] if self.pending else []:
+            done.result()
+        self.pending = None
+
+    def _defer(self, grads, scale, state: TrainState):
+        """Makes step `grads`' update the pending one, its host share started."""
+        flat = jax.tree.structure(self.exp.stacked).flatten_up_to
+        on_cpu = self.exp.streamed_update.start_on_cpu(
+            flat(grads), scale, flat(state.compute_params)
+        )
+        self.pending = (grads, scale, on_cpu)
 
     def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
         """(step + 1, grads, their clipping scale, metrics). The compute copy gives the same
@@ -163,14 +184,15 @@ class OffloadedStep(_Step):
         state = exp.abstract_state
         return self.compile(step, state.step, state.compute_params, self.abstract_batch())
 
-    def apply(self, state: TrainState, step, grads, scale) -> TrainState:
-        """The offloaded state after its streamed update with `grads` (`state` is donated)."""
+    def apply(self, state: TrainState, step, grads, scale, on_cpu=None) -> TrainState:
+        """The offloaded state after its streamed update with `grads` (`state` is donated;
+        `on_cpu`: its host share, if started already)."""
         treedef = jax.tree.structure(self.exp.stacked)
         flat = [
             treedef.flatten_up_to(t)
             for t in (grads, state.params, state.opt_state, state.compute_params)
         ]
-        new = self.exp.streamed_update(flat[0], scale, *flat[1:])
+        new = self.exp.streamed_update(flat[0], scale, *flat[1:], on_cpu=on_cpu)
         return TrainState(step, *(treedef.unflatten(t) for t in new))
 
     def lowered(self):
@@ -185,9 +207,9 @@ class OffloadedStep(_Step):
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
                 if not self.delayed:
                     return self.apply(state, step, grads, scale), metrics
-            state = self.settle(state)  # The last step's update, while this one computes.
-            self.pending = (grads, scale)
-            return state.replace(step=step), metrics
+                state = self.settle(state)  # The last step's update, while this one computes.
+                self._defer(grads, scale, state)
+                return state.replace(step=step), metrics
 
         return run
 
@@ -204,8 +226,8 @@ class OffloadedStep(_Step):
                 )
                 ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
                 metrics["skipped"] = np.int32(not ok)
-                if self.delayed:
-                    self.pending = (grads, scale) if ok else None
+                if self.delayed and ok:
+                    self._defer(grads, scale, state)
                 if self.delayed or not ok:
                     return state.replace(step=step), metrics
                 return self.apply(state, step, grads, scale), metrics

@@ -441,13 +441,21 @@ def test_optimizer_offload_equals_on_device_in_bfloat16():
 DELAYED = dict(zero_stage=1, mesh__data=8, offload__policy="optimizer", offload__cpu_update=0.5)
 
 
-def test_delayed_update_applies_each_steps_grads_a_step_late():
+@pytest.mark.parametrize("guarded", [False, True])
+def test_delayed_update_applies_each_steps_grads_a_step_late(guarded):
     """config.offload.delayed_update: step t+1 computes on the weights without step t's update,
     which runs while it computes (ZeRO-Offload's DPU), on the host's cores for half the host
-    chunks and on the device for the rest. The losses and the settled params are that
-    schedule run by hand with the undelayed experiment's parts."""
+    chunks and on the device for the rest; in the plain step and in the one that skips
+    anomalies (the loop's default). The losses and the settled params are that schedule run
+    by hand with the undelayed experiment's parts."""
     config = small_config(offload__delayed_update=True, **DELAYED)
-    exp, state, losses = train(config)
+    exp = build(config, make_mesh(config.mesh))
+    state, losses = exp.init_state(), []
+    for rows in make_batches(config)[:3]:
+        args = (np.inf,) if guarded else ()
+        step = exp.guarded_train_step if guarded else exp.train_step
+        state, metrics = step(state, exp.global_batch(rows), *args)
+        losses.append(float(metrics["loss"]))
     assert exp.plan.state_bytes["delayed update's grads"] == exp.plan.state_bytes["grads"]
     params = exp.params_numpy(exp.settled(state))
 
@@ -481,6 +489,17 @@ def test_delayed_update_is_settled_before_a_checkpoint(tmp_path):
     whole = run(tmp_path / "whole", 4)
     run(tmp_path / "resumed", 2)
     assert run(tmp_path / "resumed", 4) == whole
+
+
+def test_delayed_update_plans_the_waiting_grads():
+    """The waiting grads are the compute-dtype grads, or their float32 sum when accumulating
+    (the plan's "grads" then count both)."""
+    for microbatches, share in ((1, 1), (2, 0.5)):
+        config = small_config(microbatches=microbatches, offload__delayed_update=True, **DELAYED)
+        plan = build(config, make_mesh(config.mesh)).plan
+        grads = plan.state_bytes["grads"]
+        assert plan.state_bytes["delayed update's grads"] == pytest.approx(share * grads, 1e-3)
+        assert plan.placement["delayed update's grads"] == DEVICE
 
 
 def test_delayed_update_needs_an_offloaded_update():

@@ -80,7 +80,9 @@ class CPUTier:
         chunk in order, (chunk, future of its new compute-dtype weight in pinned host memory,
         laid out as its slice of `compute`, the compute copy's flat leaves). `grads` are flat
         over the params' leaves, stacked for stacked weights (or tuples of layers); each
-        chunk's grad is cut out on its device before it is copied."""
+        chunk's grad is cut out on its device and its copy down queued here, in this thread's
+        dispatch order: the runtime starts a copy after the device work queued before it, so
+        queued before the next step, the copies run beside that step."""
         scale = jax.device_put(scale, self.cpu)
         pending = []
         for c in self.chunks:
@@ -91,6 +93,7 @@ class CPUTier:
                 grad = _layer(grad, c.layer)
             if c.layer is not None:
                 up = NamedSharding(up.mesh, P(*up.spec[1:]), memory_kind=HOST)
+            grad = jax.device_put(grad, grad.sharding.with_memory_kind(HOST))  # The device's DMA.
             pending.append((c, self._pool.submit(self._update, c, grad, scale, up)))
         return pending
 
@@ -99,8 +102,7 @@ class CPUTier:
         the GPU and the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through
         pinned memory at 25 (`host_transfer_rate.json`)."""
         start = time.perf_counter()
-        grad = jax.device_put(grad, grad.sharding.with_memory_kind(HOST))  # The device's DMA.
-        grad = jax.device_put(np.asarray(grad), self.cpu)
+        grad = jax.device_put(np.asarray(grad), self.cpu)  # Waits for its copy down.
         copied = time.perf_counter()
         master, state = self._values[c.key]
         master, state, new = self._fn(c)(grad, scale, master, state)

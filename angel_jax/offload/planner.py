@@ -397,10 +397,14 @@ def make_plan(
                     "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
                 }
             )
-        if config.offload.delayed_update:  # The waiting step's grads beside the next step's.
-            out["delayed update's grads"] = out["grads"]
-            if name == "params":
-                out["delayed update's streamed grads"] = out["streamed grads"]
+        if config.offload.delayed_update:  # The waiting step's grads beside the next step's:
+            # in the compute dtype, or their float32 sum when accumulating.
+            waiting = (4 if accumulating else compute_dtype.itemsize) / 4
+            layer_grads, other_grads = (int(b * waiting) for b in _split_bytes(grads, stacked))
+            streamed = name == "params"
+            out["delayed update's grads"] = other_grads + (0 if streamed else layer_grads)
+            if streamed:
+                out["delayed update's streamed grads"] = layer_grads
         return out
 
     host_states = {

@@ -168,17 +168,19 @@ class StreamedUpdate:
             home = [x.with_memory_kind(HOST) for x in on_device]
             self._moves.append((jax.tree.structure(c.state), moved, on_device, home))
 
-    def __call__(self, grads: list, scale, masters: list, states: list, compute: list):
+    def __call__(self, grads: list, scale, masters: list, states: list, compute: list, on_cpu=None):
         """Updates every chunk with its grad times `scale` (the clipping factor).
 
         Arguments are flat lists over the params' leaves: `grads` and `compute` stacked for
         stacked weights (grads may instead be tuples of layers), `masters` and `states` tuples
-        of layers for stacked weights, with None for chunks on the SSD tier. Returns the new
+        of layers for stacked weights, with None for chunks on the SSD tier; `on_cpu`: the
+        host's share as `start_on_cpu` returned it, if started already. Returns the new
         (masters, states, compute) likewise; donates `masters`, `states` and `compute`.
         """
         chunks, n = self.chunks, len(self.chunks)
         # The host's cores start on theirs (hybrid update) while the device works on its own.
-        on_cpu = self.cpu.update(grads, scale, compute) if self.cpu else []
+        if on_cpu is None:
+            on_cpu = self.start_on_cpu(grads, scale, compute)
         stacked = {c.weight for c in chunks if c.layer is not None}
         masters, states = (
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -261,6 +263,10 @@ class StreamedUpdate:
             self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
         return tuples(masters), tuples(states), compute
+
+    def start_on_cpu(self, grads: list, scale, compute: list) -> list:
+        """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
+        return self.cpu.update(grads, scale, compute) if self.cpu else []
 
     def _fn(self, c: Chunk, grad, compute):
         """The jitted update of one chunk: one program per weight, not per layer."""
