@@ -402,9 +402,9 @@ def make_plan(
             waiting = (4 if accumulating else compute_dtype.itemsize) / 4
             layer_grads, other_grads = (int(b * waiting) for b in _split_bytes(grads, stacked))
             streamed = name == "params"
-            out["delayed update's grads"] = other_grads + (0 if streamed else layer_grads)
+            out["delayed grads"] = other_grads + (0 if streamed else layer_grads)
             if streamed:
-                out["delayed update's streamed grads"] = layer_grads
+                out["delayed streamed grads"] = layer_grads
         return out
 
     host_states = {
@@ -414,7 +414,7 @@ def make_plan(
     host_states["params"] = host_states["optimizer"] + (
         "streamed params",
         "streamed grads",
-        "delayed update's streamed grads",
+        "delayed streamed grads",
     )
 
     def placed(name: str, inputs: str) -> Plan:
