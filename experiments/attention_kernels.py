@@ -154,6 +154,9 @@ def main() -> int:
         write_results(args.out, sweep_vjp_configs(args.shapes, args.heads, args.kv_heads))
         return 0
 
+    from angel_jax.kernels import choose
+
+    ring_blocks, _ = choose("ring_blocks", "auto", "bfloat16")  # What the ring runs by default.
     results = []
     for shape in args.shapes.split(","):
         t, h = map(int, shape.split(":"))
@@ -202,6 +205,9 @@ def main() -> int:
             r[f"{b}_block_fwd_bwd_over_cudnn"] = r.get(f"{b}_block_fwd_bwd_tflops", 0) / r.get(
                 "cudnn_fwd_bwd_tflops", 1
             )
+        if f"{ring_blocks}_block_fwd_bwd_tflops" in r:
+            r["ring_blocks_auto"] = ring_blocks
+            r["ring_block_fwd_bwd_tflops"] = r[f"{ring_blocks}_block_fwd_bwd_tflops"]
         print(f"{r['seq_len']:>8} {r['head_dim']:>5} {r['batch']:>6}", *(f"{c:>24}" for c in cells))
     write_results(args.out, results)
     return 0
