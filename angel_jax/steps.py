@@ -152,13 +152,18 @@ class OffloadedStep(_Step):
             done.result()
         self.pending = None
 
-    def _defer(self, grads, scale, state: TrainState):
-        """Makes step `grads`' update the pending one, its host share started."""
-        flat = jax.tree.structure(self.exp.stacked).flatten_up_to
-        on_cpu = self.exp.streamed_update.start_on_cpu(
-            flat(grads), scale, flat(state.compute_params)
-        )
+    def _flat(self, tree) -> list:
+        """`tree` as the streamed update's flat list over the params' leaves."""
+        return jax.tree.structure(self.exp.stacked).flatten_up_to(tree)
+
+    def _update(self, state: TrainState, step, grads, scale) -> TrainState:
+        """`apply` now, or (delayed) the update made the pending one, its host share started."""
+        if not self.delayed:
+            return self.apply(state, step, grads, scale)
+        update = self.exp.streamed_update
+        on_cpu = update.start_on_cpu(self._flat(grads), scale, self._flat(state.compute_params))
         self.pending = (grads, scale, on_cpu)
+        return state.replace(step=step)
 
     def _grad_step(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
         """(step + 1, grads, their clipping scale, metrics). The compute copy gives the same
@@ -187,12 +192,9 @@ class OffloadedStep(_Step):
     def apply(self, state: TrainState, step, grads, scale, on_cpu=None) -> TrainState:
         """The offloaded state after its streamed update with `grads` (`state` is donated;
         `on_cpu`: its host share, if started already)."""
-        treedef = jax.tree.structure(self.exp.stacked)
-        flat = [
-            treedef.flatten_up_to(t)
-            for t in (grads, state.params, state.opt_state, state.compute_params)
-        ]
+        flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
         new = self.exp.streamed_update(flat[0], scale, *flat[1:], on_cpu=on_cpu)
+        treedef = jax.tree.structure(self.exp.stacked)
         return TrainState(step, *(treedef.unflatten(t) for t in new))
 
     def lowered(self):
@@ -205,11 +207,8 @@ class OffloadedStep(_Step):
         def run(state, batch):
             with sharding.use_rules(exp.mesh, exp.rules):
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
-                if not self.delayed:
-                    return self.apply(state, step, grads, scale), metrics
-                state = self.settle(state)  # The last step's update, while this one computes.
-                self._defer(grads, scale, state)
-                return state.replace(step=step), metrics
+                state = self.settle(state)  # Delayed: the last step's, while this one computes.
+                return self._update(state, step, grads, scale), metrics
 
         return run
 
@@ -226,10 +225,8 @@ class OffloadedStep(_Step):
                 )
                 ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
                 metrics["skipped"] = np.int32(not ok)
-                if self.delayed and ok:
-                    self._defer(grads, scale, state)
-                if self.delayed or not ok:
+                if not ok:
                     return state.replace(step=step), metrics
-                return self.apply(state, step, grads, scale), metrics
+                return self._update(state, step, grads, scale), metrics
 
         return run

@@ -82,7 +82,7 @@ class CPUTier:
         over the params' leaves, stacked for stacked weights (or tuples of layers); each
         chunk's grad is cut out on its device and its copy down queued here, in this thread's
         dispatch order: the runtime starts a copy after the device work queued before it, so
-        queued before the next step, the copies run beside that step."""
+        copies queued before the next step run beside it."""
         scale = jax.device_put(scale, self.cpu)
         pending = []
         for c in self.chunks:

@@ -369,7 +369,8 @@ def make_plan(
         # Grads come in the compute dtype; accumulating adds a float32 sum.
         grad_bytes = (compute_dtype.itemsize + (4 if accumulating else 0)) / 4
         layer_params, other_params = _split_bytes(params, stacked, compute_dtype)
-        layer_grads, other_grads = (int(b * grad_bytes) for b in _split_bytes(grads, stacked))
+        f32_grads = _split_bytes(grads, stacked)
+        layer_grads, other_grads = (int(b * grad_bytes) for b in f32_grads)
         # In flight: the chunks allowed, and one more leaving.
         chunks = (config.offload.chunks_in_flight + 1) * _largest_chunk(
             offloaded_masters, opt, stacked
@@ -400,11 +401,11 @@ def make_plan(
         if config.offload.delayed_update:  # The waiting step's grads beside the next step's:
             # in the compute dtype, or their float32 sum when accumulating.
             waiting = (4 if accumulating else compute_dtype.itemsize) / 4
-            layer_grads, other_grads = (int(b * waiting) for b in _split_bytes(grads, stacked))
+            layer_waiting, other_waiting = (int(b * waiting) for b in f32_grads)
             streamed = name == "params"
-            out["delayed grads"] = other_grads + (0 if streamed else layer_grads)
+            out["delayed grads"] = other_waiting + (0 if streamed else layer_waiting)
             if streamed:
-                out["delayed streamed grads"] = layer_grads
+                out["delayed streamed grads"] = layer_waiting
         return out
 
     host_states = {
