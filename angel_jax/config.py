@@ -183,7 +183,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Each layer's input (what remat keeps for the backward pass): auto (the planner's choice:
     # the device if the step fits there, else pinned host memory) | device | host.
     c.offload.activations = "auto"
-    c.offload.chunks_in_flight = 2  # Optimizer-state chunks on the device at once in the update.
+    # Optimizer-state chunks on the device at once in the update; half of them are fetched
+    # before the step is dispatched, so their copies run beside it.
+    c.offload.chunks_in_flight = 2
     # SSD tier (policy auto): update chunks that fit in neither device nor host memory live in
     # this directory on local disk; "" turns the tier off.
     c.offload.ssd_dir = ""

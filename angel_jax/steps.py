@@ -132,19 +132,30 @@ class OffloadedStep(_Step):
     host cores' share starts at once (its grads' copies down queued before step t+1, so they
     and the host's update run beside it), and the device's share runs after step t+1's
     forward/backward is dispatched (queued behind it); `settle` finishes a waiting update
-    (before a checkpoint)."""
+    (before a checkpoint).
+
+    Either way the update's first chunks are fetched (`StreamedUpdate.prefetch`) before the
+    forward/backward is dispatched, so their copies run beside it."""
 
     def __init__(self, exp):
         super().__init__(exp)
         # pending: (grads, clipping scale, the host's share as started).
         self.delayed = exp.config.offload.delayed_update
 
-    def settle(self, state: TrainState) -> TrainState:
+    def settle(self, state: TrainState, fetched=None) -> TrainState:
         if self.pending is None:
             return state
         (grads, scale, on_cpu), self.pending = self.pending, None
         with sharding.use_rules(self.exp.mesh, self.exp.rules):
-            return self.apply(state, state.step, grads, scale, on_cpu)
+            return self.apply(state, state.step, grads, scale, on_cpu, fetched)
+
+    def _prefetch(self, state: TrainState):
+        """The next update's first chunks on their way to the device (the waiting update's if
+        delayed): called before a forward/backward is dispatched."""
+        if self.delayed and self.pending is None:
+            return None
+        flat = (self._flat(t) for t in (state.params, state.opt_state))
+        return self.exp.streamed_update.prefetch(*flat)
 
     def discard(self) -> None:
         # The host's share runs on: let it finish before the restore writes its chunks.
@@ -156,10 +167,10 @@ class OffloadedStep(_Step):
         """`tree` as the streamed update's flat list over the params' leaves."""
         return jax.tree.structure(self.exp.stacked).flatten_up_to(tree)
 
-    def _update(self, state: TrainState, step, grads, scale) -> TrainState:
+    def _update(self, state: TrainState, step, grads, scale, fetched) -> TrainState:
         """`apply` now, or (delayed) the update made the pending one, its host share started."""
         if not self.delayed:
-            return self.apply(state, step, grads, scale)
+            return self.apply(state, step, grads, scale, fetched=fetched)
         update = self.exp.streamed_update
         on_cpu = update.start_on_cpu(self._flat(grads), scale, self._flat(state.compute_params))
         self.pending = (grads, scale, on_cpu)
@@ -189,11 +200,11 @@ class OffloadedStep(_Step):
         state = exp.abstract_state
         return self.compile(step, state.step, state.compute_params, self.abstract_batch())
 
-    def apply(self, state: TrainState, step, grads, scale, on_cpu=None) -> TrainState:
+    def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
         """The offloaded state after its streamed update with `grads` (`state` is donated;
-        `on_cpu`: its host share, if started already)."""
+        `on_cpu`: its host share, if started already; `fetched`: its prefetched chunks)."""
         flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
-        new = self.exp.streamed_update(flat[0], scale, *flat[1:], on_cpu=on_cpu)
+        new = self.exp.streamed_update(flat[0], scale, *flat[1:], on_cpu=on_cpu, fetched=fetched)
         treedef = jax.tree.structure(self.exp.stacked)
         return TrainState(step, *(treedef.unflatten(t) for t in new))
 
@@ -206,9 +217,11 @@ class OffloadedStep(_Step):
 
         def run(state, batch):
             with sharding.use_rules(exp.mesh, exp.rules):
+                fetched = self._prefetch(state)
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
-                state = self.settle(state)  # Delayed: the last step's, while this one computes.
-                return self._update(state, step, grads, scale), metrics
+                # Delayed: the last step's update, queued behind this one's compute.
+                state = self.settle(state, fetched)
+                return self._update(state, step, grads, scale, fetched), metrics
 
         return run
 
@@ -218,15 +231,17 @@ class OffloadedStep(_Step):
 
         def run(state, batch, ceiling):
             with sharding.use_rules(exp.mesh, exp.rules):
+                fetched = self._prefetch(state)
                 step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
-                state = self.settle(state)  # Delayed: the last step's, before this one's read.
+                # Delayed: the last step's update, before this one's loss is read.
+                state = self.settle(state, fetched)
                 loss, norm = (
                     float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
                 )
                 ok = np.isfinite(loss) and np.isfinite(norm) and loss <= ceiling
                 metrics["skipped"] = np.int32(not ok)
-                if not ok:
+                if not ok:  # Prefetched chunks are dropped: their host copies stay.
                     return state.replace(step=step), metrics
-                return self._update(state, step, grads, scale), metrics
+                return self._update(state, step, grads, scale, fetched), metrics
 
         return run

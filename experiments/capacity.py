@@ -199,7 +199,7 @@ def main() -> int:
             continue
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(found["layers"])]
         log = f"{a.out.removesuffix('.json')}.{optimizer}-{policy}.log"
-        # XLA's pinned-host pool keeps its doubling regions up to its cap (planner.pool_warning):
+        # XLA's pinned-host pool keeps its doubling regions up to its cap (planner.pool_overflow):
         # cap it at what the plan puts there, which leaves the plan as it is.
         env = None
         if found["planned_host_gib"] > 0:

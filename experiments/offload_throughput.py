@@ -18,9 +18,13 @@ from throughput import ROOT, run, run_ours, write_results
 # broken-down step instead.
 OPT = ["--config.offload.policy=optimizer"]
 DEVICE_UPDATE = [*OPT, "--config.offload.cpu_update=0"]  # The device updates every chunk.
+AUTO = ["--config.offload.policy=auto"]
 HYBRID = [*OPT, "--config.offload.cpu_update=-1"]  # The share picked from measured rates.
 IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
+# Every chunk (llama_1b has 201) fetched before the step and sent home beside the next one.
+ALL_IN_FLIGHT = ["--config.offload.chunks_in_flight=1000"]
 DELAYED = ["--config.offload.delayed_update=true"]  # Stale by one step: see the README.
+MICRO_4 = ["--config.train.batch_size=32", "--config.train.microbatches=4"]
 # The ZeRO-Cache issue's 8B benchmark shape: 16 x 8192 tokens (128k) a step.
 TOKENS_128K = ["--config.zero_stage=1", "--config.train.batch_size=16"]
 # fp32 masters + Adam state are 90 GiB: on the device alone they leave no room to train.
@@ -54,6 +58,24 @@ VARIANTS = [
         None,
     ),
     (
+        "llama_1b optimizer, device update, all in flight",
+        "llama_1b",
+        DEVICE_UPDATE + ALL_IN_FLIGHT,
+        None,
+    ),
+    (
+        "llama_1b optimizer, delayed, device update, all in flight",
+        "llama_1b",
+        DEVICE_UPDATE + ALL_IN_FLIGHT + DELAYED,
+        None,
+    ),
+    (
+        "llama_1b optimizer, delayed, host 40%, all in flight",
+        "llama_1b",
+        [*OPT, *ALL_IN_FLIGHT, "--config.offload.cpu_update=0.4", *DELAYED],
+        None,
+    ),
+    (
         "llama_1b optimizer, delayed, device update, 8 in flight",
         "llama_1b",
         DEVICE_UPDATE + IN_FLIGHT_8 + DELAYED,
@@ -69,6 +91,21 @@ VARIANTS = [
         "llama_1b optimizer, delayed, host 100%",
         "llama_1b",
         [*OPT, "--config.offload.cpu_update=1", *DELAYED],
+        None,
+    ),
+    # 4 x 8 x 2048 tokens a step: the update's copies (14.4 GB each way, more than the host's
+    # memory and the link move in one 8 x 2048 step's compute) amortised over 4 microbatches.
+    ("llama_1b/32x2048 none", "llama_1b", [*MICRO_4, "--config.offload.policy=none"], None),
+    (
+        "llama_1b/32x2048 optimizer, device update, 8 in flight",
+        "llama_1b",
+        [*MICRO_4, *DEVICE_UPDATE, *IN_FLIGHT_8],
+        None,
+    ),
+    (
+        "llama_1b/32x2048 optimizer, device update, all in flight",
+        "llama_1b",
+        [*MICRO_4, *DEVICE_UPDATE, *ALL_IN_FLIGHT],
         None,
     ),
     ("llama_1b params", "llama_1b", ["--config.offload.policy=params"], None),
@@ -120,14 +157,29 @@ VARIANTS = [
         [*DEVICE_UPDATE, *TOKENS_128K, "--config.train.microbatches=16"],
         0,
     ),
+    # auto: the device's spare room (about 35 GiB here) keeps chunks resident; the host's cores
+    # take a share of the rest. (Every chunk on the host's cores, 96 GB in plain host memory
+    # beside the pinned pool, does not fit the 125 GiB machine: the planner refuses it.)
     (
-        "llama3_8b optimizer, 16 x 8192 in 16 microbatches, delayed, host 100%",
+        "llama3_8b auto, 16 x 8192 in 16 microbatches, device update",
+        "llama3_8b",
+        [*AUTO, "--config.offload.cpu_update=0", *TOKENS_128K, "--config.train.microbatches=16"],
+        0,
+    ),
+    (
+        "llama3_8b auto, 16 x 8192 in 16 microbatches, host 30%",
+        "llama3_8b",
+        [*AUTO, "--config.offload.cpu_update=0.3", *TOKENS_128K, "--config.train.microbatches=16"],
+        0,
+    ),
+    (
+        "llama3_8b auto, 16 x 8192 in 16 microbatches, delayed, host 30%",
         "llama3_8b",
         [
-            *OPT,
+            *AUTO,
+            "--config.offload.cpu_update=0.3",
             *TOKENS_128K,
             "--config.train.microbatches=16",
-            "--config.offload.cpu_update=1",
             *DELAYED,
         ],
         2,

@@ -172,6 +172,16 @@ BREAKS = [
         ["tests/test_offload.py::test_update_holds_at_most_chunks_in_flight_in_device_memory"],
     ),
     (
+        "the update fetches nothing before the step is dispatched",
+        "angel_jax/steps.py",
+        "        if self.delayed and self.pending is None:\n            return None\n",
+        "        return None\n",
+        [
+            "tests/test_offload.py::"
+            "test_update_fetches_its_first_chunks_before_the_step_is_dispatched"
+        ],
+    ),
+    (
         "the host's cores leave their chunks as they were",
         "angel_jax/offload/cpu.py",
         "        self._values[c.key] = (master, state)\n",

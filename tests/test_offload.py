@@ -1,6 +1,7 @@
 """ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
 
 import dataclasses
+import functools
 import json
 import re
 import types
@@ -38,7 +39,8 @@ def train(config, steps=3):
 @pytest.mark.parametrize(
     "mesh",
     [
-        dict(zero_stage=1, mesh__data=8),
+        # Every chunk fetched before the step, sent home beside the next one.
+        dict(zero_stage=1, mesh__data=8, offload__chunks_in_flight=100),
         dict(zero_stage=3, mesh__data=4, mesh__tensor=2),
         dict(zero_stage=3, mesh__data=8, train__optimizer="adafactor"),
     ],
@@ -488,6 +490,36 @@ def test_delayed_update_applies_each_steps_grads_a_step_late(guarded, kw):
     jax.tree.map(np.testing.assert_array_equal, params, ref.params_numpy(s))
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
+    """The runtime starts a copy only after the device work queued before it: the update's
+    first in_flight // 2 chunks are fetched before the forward/backward whose grads they take
+    (delayed: the one they run beside) is dispatched, the rest after it."""
+    config = small_config(
+        offload__policy="optimizer", offload__chunks_in_flight=6, offload__delayed_update=delayed
+    )
+    exp = build(config, make_mesh(config.mesh))
+    update, events = exp.streamed_update, []
+    grad_step, fetch = exp.steps.grad_step, update._fetch
+
+    def logged_grad_step(*args):
+        events.append("step")
+        return grad_step(*args)
+
+    def logged_fetch(k, *args):
+        events.append(k)
+        return fetch(k, *args)
+
+    exp.steps.grad_step = logged_grad_step  # Before train_step is built: it keeps this one.
+    update._fetch = logged_fetch
+    state = exp.init_state()
+    for rows in make_batches(config)[:2]:
+        state, _ = exp.train_step(state, exp.global_batch(rows))
+    prefetched = [0, 1, 2, "step", *range(3, len(update.chunks))]
+    # Delayed: the first step's dispatch has no update waiting to fetch for.
+    assert events == (["step"] if delayed else prefetched) + prefetched, events
+
+
 def test_delayed_update_is_settled_before_a_checkpoint(tmp_path):
     """The training loop applies the waiting update before it saves: a run stopped at its
     checkpoint and resumed logs the uninterrupted run's losses, bitwise."""
@@ -568,9 +600,11 @@ def test_planner_auto_offloads_only_when_the_device_is_too_small():
     b = build(*llama_1b(*optimizer)).plan.state_bytes
     # The compute copy is bf16: half the bytes of the fp32 masters.
     assert 2 * b["compute params"] == b["master params"]
-    # The update streams chunks: three of the largest (the 32000 x 2048 embedding with its two
-    # moments and two int32 step counts) are on the device at once, not the whole state.
-    assert b["update chunks"] == 3 * (3 * 32000 * 2048 * 4 + 2 * 4) < b["optimizer state"] / 3
+    # The update streams chunks: with 2 in flight, one fetched ahead and two on their way
+    # home, the largest (the 32000 x 2048 embedding and LM head, with two moments and two int32
+    # step counts each) are on the device at once, not the whole state.
+    largest = 3 * (3 * 32000 * 2048 * 4 + 2 * 4)
+    assert b["update chunks"] == largest < b["optimizer state"] / 3
 
 
 def test_planner_refuses_what_fits_nowhere_before_allocating():
@@ -617,24 +651,31 @@ def test_the_steps_activations_and_the_updates_chunks_are_not_counted_together()
     assert "a peak counts the step's activations or the update's chunks" in plan.table()
 
 
-def test_a_pinned_pool_that_would_outgrow_the_host_is_warned_of(monkeypatch):
+def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
     """XLA's pinned-host pool keeps its doubling regions up to its cap (on the H200 a 110 GiB
-    cap was held whole for a 94.7 GiB plan, and the kernel killed the run): the plan warns
-    when that and the process's own memory pass what the host has, and names the cap that
-    fits."""
+    cap was held whole for a 94.7 GiB plan, and the kernel killed the run after minutes of
+    initialisation): the planner refuses a plan whose pool, with the host cores' chunks and
+    the process's own memory, passes what the host has, and names the cap that fits."""
     assert planner.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
     assert planner.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
     overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
-    plan = build(*llama_1b(*overrides)).plan
+    plan = build(*llama_1b(*overrides)).plan  # A CPU: no pool.
     need = plan.tier_bytes(HOST)  # 12.3 GiB: the pool's regions reach 16 GiB.
-    assert 8 * 2**30 < need < 15 * 2**30 and not plan.host_warning  # A CPU: no pool.
-    monkeypatch.setattr(planner, "_host_available", lambda: 30 * 2**30)
+    assert 8 * 2**30 < need < 15 * 2**30
+    monkeypatch.setattr(planner, "_host_available", lambda: 38 * 2**30)  # 16 + 24 beside > 38.
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
-    warning = planner.pool_warning(plan, 1, backend="gpu")
-    assert "would hold 16.0 GiB" in warning and "LIMIT_GB=13 " in warning
+    overflow = planner.pool_overflow(plan, 1, backend="gpu")
+    assert "would hold 16.0 GiB" in overflow and "LIMIT_GB=13," in overflow
+    on_gpu = functools.partial(planner.pool_overflow, backend="gpu")
+    monkeypatch.setattr(planner, "pool_overflow", on_gpu)
+    with pytest.raises(ConfigError, match="would hold 16.0 GiB .*LIMIT_GB=13,"):
+        build(*llama_1b(*overrides))
+    # The host cores' chunks live beside the pool, in plain memory: they count too.
+    hybrid = build(*llama_1b(*overrides, "--config.offload.cpu_update=0.5")).plan
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "13")
-    assert planner.pool_warning(plan, 1, backend="gpu") == ""
-    assert planner.pool_warning(plan, 1, backend="cpu") == ""
+    assert planner.pool_overflow(plan, 1) == ""
+    assert "GiB of host-updated chunks" in planner.pool_overflow(hybrid, 2)
+    assert planner.pool_overflow(plan, 1, backend="cpu") == ""
 
 
 def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):
@@ -849,8 +890,8 @@ def test_bytes_per_parameter_of_adamw_and_adafactor():
     b = offloaded.state_bytes
     transient = b["update chunks"] / offloaded.num_params
     assert offloaded.bytes_per_param() == pytest.approx(16.0 + transient, rel=1e-4)
-    # Three chunks (two in flight, one more) of the largest: the 32000 x 2048 embedding, fp32,
-    # with AdamW's two moments and two step counts.
+    # Three chunks (of two in flight, one fetched ahead and two leaving) of the largest: the
+    # 32000 x 2048 embedding, fp32, with AdamW's two moments and two step counts.
     assert b["update chunks"] == 3 * (32000 * 2048 * 4 * 3 + 2 * 4)
     assert "bytes per parameter" in offloaded.table()
 

@@ -75,7 +75,6 @@ class Plan:
     on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
     on_cpu: frozenset = frozenset()  # Update chunks the host's cores update (hybrid update).
     cpu_note: str = ""  # The hybrid update's share, for the plan's table.
-    host_warning: str = ""  # What the pinned-host pool would hold beyond the plan (pool_warning).
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
@@ -133,8 +132,6 @@ class Plan:
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
             lines.append(f"  hybrid update: {self.cpu_note}")
-        if self.host_warning:
-            lines.append(f"  WARNING: {self.host_warning}")
         return "\n".join(lines)
 
 
@@ -147,8 +144,10 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         stats = jax.local_devices()[0].memory_stats() or {}
         device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
     host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
-    if jax.default_backend() == "gpu":  # XLA's pinned-host pool stops at its cap.
-        host = min(host, int(_pinned_pool_cap_gb() * 2**30))
+    if jax.default_backend() == "gpu":
+        # XLA's pinned-host pool stops at its cap, and the process needs memory beside it.
+        cap = int(_pinned_pool_cap_gb() * 2**30)
+        host = min(host, cap, _host_available() - _BESIDE_POOL)
     local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
     if o.ssd_dir:
@@ -189,9 +188,10 @@ def pool_fixes(short: set[str], backend: str | None = None) -> list[str]:
 # 110 GiB cap is held whole (on the H200, 112 GiB of the process's pages were pinned after an
 # AdamW 20B plan put 94.7 GiB there, and the kernel then killed it).
 _POOL_FIRST_REGION = 2 * 2**20
-# What the process holds beside the pool while it initialises and updates (anonymous memory
-# grew to 8.5 GiB there), with room for the kernel's page cache of the SSD tier.
-_BESIDE_POOL = 16 * 2**30
+# What the process holds beside the pool while it initialises and updates: there, with the pool
+# capped at 100 GiB, 120.3 GiB were resident after the state's initialisation (8.5 GiB of it
+# anonymous) and 122.7 GiB at the peak; the host budget leaves this much beside the pool.
+_BESIDE_POOL = 24 * 2**30
 
 
 def pinned_pool_hold(need: int, cap: int) -> int:
@@ -202,25 +202,29 @@ def pinned_pool_hold(need: int, cap: int) -> int:
     return min(held, cap)
 
 
-def pool_warning(plan: Plan, local_devices: int, backend: str | None = None) -> str:
-    """On a GPU, a warning when the pinned-host pool would hold more than this host can give
-    beside the process (the kernel's OOM killer then ends the run), with the cap that fits."""
+def pool_overflow(plan: Plan, local_devices: int, backend: str | None = None) -> str:
+    """On a GPU, why the pinned-host pool would hold more than this host can give beside the
+    process and the host cores' chunks (the kernel's OOM killer would end the run after the
+    state's initialisation), with the cap that fits; "" if it would not."""
     if (backend or jax.default_backend()) != "gpu":
         return ""
     # Chunks the host's cores update live in plain host memory, not the pool.
-    pinned = plan.tier_bytes(HOST) - plan.state_bytes.get("CPU-updated chunks", 0)
-    need = pinned * local_devices
+    plain = plan.state_bytes.get("CPU-updated chunks", 0) * local_devices
+    need = plan.tier_bytes(HOST) * local_devices - plain
     cap = int(_pinned_pool_cap_gb() * 2**30)
     held, available = pinned_pool_hold(need, cap), _host_available()
-    if held + _BESIDE_POOL <= available:
+    if held + plain + _BESIDE_POOL <= available:
         return ""
     fit = math.ceil(need / USABLE / 2**30)
+    beside = f"{plain / 2**30:.1f} GiB of host-updated chunks and " if plain else ""
     return (
         f"XLA's pinned-host pool grows in doubling regions up to its cap and keeps them: for "
         f"this plan's {need / 2**30:.1f} GiB it would hold {held / 2**30:.1f} GiB "
-        f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}) of the "
-        f"{available / 2**30:.1f} GiB this host has available, too little beside the process: "
-        f"set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit} (or a smaller config.offload.host_gib)"
+        f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}), which with "
+        f"{beside}{_BESIDE_POOL / 2**30:.0f} GiB for the process passes the "
+        f"{available / 2**30:.1f} GiB this host has available: set "
+        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit}, or a smaller config.offload.host_gib or "
+        f"config.offload.cpu_update"
     )
 
 
@@ -317,15 +321,15 @@ def _chunks(
     return out
 
 
-def _largest_chunk(abstract_params, opt_abstract, stacked) -> int:
-    """Bytes of the largest chunk the streamed update moves: one weight (or one layer's slice
-    of a stacked weight) with its optimizer state."""
-
-    def chunk(p, leaf_state, is_stacked):
-        nbytes = _local_bytes(p) + _local_bytes(leaf_state)
-        return nbytes // p.shape[0] if is_stacked else nbytes
-
-    return max(jax.tree.leaves(jax.tree.map(chunk, abstract_params, opt_abstract, stacked)))
+def _in_flight_bytes(abstract_params, opt_abstract, stacked, in_flight: int) -> int:
+    """Bytes of the chunks (each one weight, or one layer's slice of a stacked weight, with
+    its optimizer state) the streamed update may hold on the device at once: the
+    `in_flight` // 2 fetched ahead (before the step, by `StreamedUpdate.prefetch`) and the rest
+    on their way home (from the last update, one more leaving), the largest of each; with
+    fewer chunks than that a chunk can be both."""
+    sizes = sorted(m + s for _, m, s in _chunks(abstract_params, opt_abstract, stacked))
+    ahead = max(1, in_flight // 2)
+    return sum(sizes[-ahead:]) + sum(sizes[-(in_flight - ahead + 1) :])
 
 
 def make_plan(
@@ -371,10 +375,7 @@ def make_plan(
         layer_params, other_params = _split_bytes(params, stacked, compute_dtype)
         f32_grads = _split_bytes(grads, stacked)
         layer_grads, other_grads = (int(b * grad_bytes) for b in f32_grads)
-        # In flight: the chunks allowed, and one more leaving.
-        chunks = (config.offload.chunks_in_flight + 1) * _largest_chunk(
-            offloaded_masters, opt, stacked
-        )
+        chunks = _in_flight_bytes(offloaded_masters, opt, stacked, config.offload.chunks_in_flight)
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
@@ -492,8 +493,10 @@ def make_plan(
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
                 )
-            local_devices = max(1, mesh.size // jax.process_count())
-            return dataclasses.replace(plan, host_warning=pool_warning(plan, local_devices))
+            overflow = pool_overflow(plan, max(1, mesh.size // jax.process_count()))
+            if overflow:
+                raise ConfigError(f"config.offload.policy={policy}: {overflow}")
+            return plan
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"

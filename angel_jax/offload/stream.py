@@ -145,6 +145,12 @@ class StreamedUpdate:
     direction. Chunk k + `in_flight` // 2 is fetched while
     chunk k is updated, once chunk k + `in_flight` // 2 - `in_flight` is home, so the device
     holds at most `in_flight` chunks (plus their outputs being copied back).
+
+    The runtime starts a copy only after the device work queued before it, and runs it beside
+    the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
+    165 ms program took 167 ms in all, queued after it 320). So the first `in_flight` // 2
+    chunks are fetched by `prefetch` before the forward/backward that makes their grads is
+    dispatched, and the last chunks' copies home run beside the next one.
     """
 
     def __init__(
@@ -168,19 +174,60 @@ class StreamedUpdate:
             home = [x.with_memory_kind(HOST) for x in on_device]
             self._moves.append((jax.tree.structure(c.state), moved, on_device, home))
 
-    def __call__(self, grads: list, scale, masters: list, states: list, compute: list, on_cpu=None):
+    def prefetch(self, masters: list, states: list) -> dict:
+        """Starts the first `in_flight` // 2 chunks' copies to the device (arguments as
+        `__call__`'s), for `__call__`'s `fetched`: call it before dispatching the step whose
+        grads the update takes, so the copies run beside that step. The host copies stay until
+        the update reads them: an update left out (an anomalous step) loses nothing."""
+        first = range(min(self.ahead, len(self.chunks)))
+        return {k: self._fetch(k, masters, states) for k in first}
+
+    def _leaves(self, k: int, masters: list, states: list) -> list:
+        """Chunk k's [master, *state leaves] as they are between steps."""
+        c = self.chunks[k]
+        get = lambda tree: tree[c.weight] if c.layer is None else tree[c.weight][c.layer]
+        return [get(masters), *jax.tree.leaves(get(states))]
+
+    def _move(self, k: int, leaves: list, to_device: bool) -> list:
+        """Chunk k's leaves with the moving ones copied to the device or home."""
+        _, moved, on_device, home = self._moves[k]
+        copies = jax.device_put([leaves[i] for i in moved], on_device if to_device else home)
+        leaves = list(leaves)
+        for i, x in zip(moved, copies, strict=True):
+            leaves[i] = x
+        return leaves
+
+    def _fetch(self, k: int, masters: list, states: list):
+        """Chunk k on its way to the device: its leaves, or for the SSD tier futures of
+        (master, state) read on the SSD's threads."""
+        if self.chunks[k].tier == SSD:
+            return self.ssd.read(self.chunks[k])
+        return self._move(k, self._leaves(k, masters, states), to_device=True)
+
+    def __call__(
+        self,
+        grads: list,
+        scale,
+        masters: list,
+        states: list,
+        compute: list,
+        on_cpu=None,
+        fetched=None,
+    ):
         """Updates every chunk with its grad times `scale` (the clipping factor).
 
         Arguments are flat lists over the params' leaves: `grads` and `compute` stacked for
         stacked weights (grads may instead be tuples of layers), `masters` and `states` tuples
         of layers for stacked weights, with None for chunks on the SSD tier; `on_cpu`: the
-        host's share as `start_on_cpu` returned it, if started already. Returns the new
-        (masters, states, compute) likewise; donates `masters`, `states` and `compute`.
+        host's share as `start_on_cpu` returned it, if started already; `fetched`: what
+        `prefetch` returned for these masters and states. Returns the new (masters, states,
+        compute) likewise; donates `masters`, `states` and `compute`.
         """
         chunks, n = self.chunks, len(self.chunks)
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
+        fetched = dict(fetched or self.prefetch(masters, states))
         stacked = {c.weight for c in chunks if c.layer is not None}
         masters, states = (
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -188,46 +235,30 @@ class StreamedUpdate:
         )
         compute = list(compute)
 
-        def get(tree, c):
-            return tree[c.weight] if c.layer is None else tree[c.weight][c.layer]
-
         def put(tree, c, value):
             if c.layer is None:
                 tree[c.weight] = value
             else:
                 tree[c.weight][c.layer] = value
 
-        def move(k, leaves, to):
-            """Chunk k's leaves with the moving ones copied to the device or home; the
-            originals are deleted (the caller's state is donated): else the old and the new
-            states would both be in host memory until the update returns."""
-            _, moved, on_device, home = self._moves[k]
-            originals = [leaves[i] for i in moved]
-            copies = jax.device_put(originals, on_device if to else home)
-            for x in originals:
-                if isinstance(x, jax.Array):  # Not numpy read from disk.
-                    x.delete()  # Freed once the copy has read it.
-            leaves = list(leaves)
-            for i, x in zip(moved, copies, strict=True):
-                leaves[i] = x
-            return leaves
+        def release(k):
+            """Deletes chunk k's host copies once its copies down are queued (the caller's
+            state is donated): else the old and the new states would both be in host memory
+            until the update returns. Freed once the copies have read them."""
+            if chunks[k].tier != SSD:
+                for i in self._moves[k][1]:
+                    self._leaves(k, masters, states)[i].delete()
 
-        def fetch(k):
-            c = chunks[k]
-            if c.tier == SSD:
-                return self.ssd.read(c)  # Futures of numpy arrays, read on the SSD's threads.
-            return move(k, [get(masters, c), *jax.tree.leaves(get(states, c))], to=True)
-
-        fetched = {k: fetch(k) for k in range(min(self.ahead, n))}
         home = []  # Per chunk: what to wait on before its device buffers are free.
         gone = 0  # Chunks waited for (home, their device buffers free).
         for k, c in enumerate(chunks):
             state_def = self._moves[k][0]
             if c.tier == SSD:
                 master, state = (f.result() for f in fetched.pop(k))
-                leaves = move(k, [master, *jax.tree.leaves(state)], to=True)
+                leaves = self._move(k, [master, *jax.tree.leaves(state)], to_device=True)
             else:
                 leaves = fetched.pop(k)
+                release(k)
             grad = grads[c.weight]
             if isinstance(grad, tuple):
                 grad = grad[c.layer]
@@ -242,7 +273,7 @@ class StreamedUpdate:
             if c.tier == SSD:
                 home.append(self.ssd.put(c, master, state))
             else:
-                leaves = move(k, [master, *jax.tree.leaves(state)], to=False)
+                leaves = self._move(k, [master, *jax.tree.leaves(state)], to_device=False)
                 put(masters, c, leaves[0])
                 put(states, c, state_def.unflatten(leaves[1:]))
                 home.append(leaves)
@@ -252,7 +283,7 @@ class StreamedUpdate:
                     _wait(home[nxt - self.in_flight])
                     home[nxt - self.in_flight] = None
                     gone += 1
-                fetched[nxt] = fetch(nxt)
+                fetched[nxt] = self._fetch(nxt, masters, states)
             # Fetched and not yet updated, or updated and maybe not yet home.
             on_device = len(fetched) + len(home) - gone
             self.most_in_flight = max(self.most_in_flight, on_device)

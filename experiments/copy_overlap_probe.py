@@ -1,0 +1,151 @@
+"""Probe for the ZeRO-Cache update's copies beside compute (the ZeRO-Cache issue's item 1): do
+runtime copies between pinned host memory and the device (`jax.device_put`, as the streamed
+update issues them) run beside a compute program, and does it matter in which order they are
+queued?
+
+    python experiments/copy_overlap_probe.py [--gib 8 --chunks 32 --matmuls 120] [--out FILE]
+
+Each case is timed as a whole (dispatch to last result ready), 5 times after a warm-up; a
+case overlaps if it takes about max(compute, copies) rather than their sum:
+  compute                 a chain of bf16 matmuls (~0.15 s)
+  h2d / d2h / both        the copies alone (`--gib` each way, in `--chunks` arrays)
+  h2d then compute        copies queued before the program
+  compute then h2d        copies queued after it (the runtime may order them behind it)
+  d2h then compute, compute then d2h, both then compute
+  update schedule         the streamed update's steady state: last step's results sent home
+                          (and deleted), the next step's state fetched, then the program,
+                          then one small kernel a chunk on the fetched state
+  chained                 a kernel's results sent home and fetched back at once, then the
+                          program: the time the caller spends queueing the fetch is printed
+and the host's memory bandwidth (numpy copies on 1-16 threads), which the copies share.
+A probe for the design, not a trainer feature.
+"""
+
+import argparse
+import concurrent.futures as futures
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+from throughput import write_results
+
+
+def host_memory_rate(threads: int, gib: float = 4.0, reps: int = 3) -> float:
+    """The host's memory bandwidth as `threads` numpy copies of `gib` in all see it: bytes read
+    plus bytes written per second (the copies to and from the device and the host's update
+    share it)."""
+    n = int(gib * 2**30 / 4 / threads)
+    pairs = [(np.ones(n, np.float32), np.zeros(n, np.float32)) for _ in range(threads)]
+    with futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda p: np.copyto(p[1], p[0]), pairs))  # Pages touched.
+        start = time.perf_counter()
+        for _ in range(reps):
+            list(pool.map(lambda p: np.copyto(p[1], p[0]), pairs))
+        seconds = time.perf_counter() - start
+    rate = 2 * n * 4 * threads * reps / seconds / 1e9
+    print(f"host memory, {threads:2d} threads copying: {rate:6.1f} GB/s (read + written)")
+    return rate
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=8.0, help="bytes copied each way")
+    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--matmuls", type=int, default=120, help="8192^3 bf16 matmuls")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    on_device = SingleDeviceSharding(device)
+    pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+    n = int(args.gib * 2**30 / 4 / args.chunks)
+
+    @jax.jit
+    def compute(x):
+        return jax.lax.fori_loop(0, args.matmuls, lambda _, y: (y @ x) * 1e-3, x)
+
+    plus_one = jax.jit(lambda y: y + 1)
+    bump = jax.jit(lambda y: y + 1, donate_argnums=0)  # The update's kernel on a fetched chunk.
+    x = jax.device_put(jnp.ones((8192, 8192), jnp.bfloat16), on_device)
+    zeros = np.zeros(n, np.float32)
+    host = [jax.device_put(zeros, pinned) for _ in range(args.chunks)]
+    ready = [jax.device_put(zeros, on_device) for _ in range(args.chunks)]
+    jax.block_until_ready((host, ready, compute(x)))
+
+    def h2d():
+        return jax.device_put(host, [on_device] * len(host))
+
+    def d2h():
+        return jax.device_put(ready, [pinned] * len(ready))
+
+    def schedule():
+        """Home the last results, fetch the next state, run the step, then the update."""
+        nonlocal ready
+        gone = jax.device_put(ready, [pinned] * len(ready))
+        for r in ready:
+            r.delete()
+        fetched = h2d()
+        y = compute(x)
+        ready = [bump(f) for f in fetched]
+        return gone, y, ready
+
+    def chained():
+        """Results made by a kernel, sent home, and fetched again before the program: does
+        queueing the fetch (whose source is not there yet) hold up the caller?"""
+        made = [plus_one(r) for r in ready]
+        gone = jax.device_put(made, [pinned] * len(made))
+        start = time.perf_counter()
+        back = jax.device_put(gone, [on_device] * len(gone))
+        chained_call_s.append(time.perf_counter() - start)
+        return back, compute(x)
+
+    chained_call_s = []
+    cases = {
+        "compute": lambda: compute(x),
+        "h2d": h2d,
+        "d2h": d2h,
+        "both": lambda: (h2d(), d2h()),
+        "h2d then compute": lambda: (h2d(), compute(x)),
+        "compute then h2d": lambda: (compute(x), h2d()),
+        "d2h then compute": lambda: (d2h(), compute(x)),
+        "compute then d2h": lambda: (compute(x), d2h()),
+        "both then compute": lambda: (h2d(), d2h(), compute(x)),
+        "compute then both": lambda: (compute(x), h2d(), d2h()),
+        "update schedule": schedule,
+        "chained": chained,
+    }
+    for _ in range(3):  # The pinned pool's first copies crawl: warmed first.
+        jax.block_until_ready(cases["both"]())
+    seconds = {}
+    for name, fn in cases.items():
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        seconds[name] = float(np.median(times))
+        print(f"{name:22s} {seconds[name] * 1e3:8.1f} ms", flush=True)
+    nbytes = args.chunks * n * 4
+    summary = dict(
+        host_memory_gb_per_s={t: host_memory_rate(t) for t in (1, 4, 8, 16)},
+        gib_each_way=nbytes / 2**30,
+        chunks=args.chunks,
+        h2d_gb_per_s=nbytes / seconds["h2d"] / 1e9,
+        d2h_gb_per_s=nbytes / seconds["d2h"] / 1e9,
+        seconds=seconds,
+        # How long queueing the chained fetch took the caller (median).
+        chained_fetch_call_s=float(np.median(chained_call_s)),
+    )
+    print(summary)
+    if args.out:
+        write_results(args.out, [summary])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
