@@ -17,6 +17,9 @@ case overlaps if it takes about max(compute, copies) rather than their sum:
                           then one small kernel a chunk on the fetched state
   chained                 a kernel's results sent home and fetched back at once, then the
                           program: the time the caller spends queueing the fetch is printed
+  512 h2d ...             the same bytes down in 512 copies, then the program, with and
+                          without a tiny program launched between (`StreamedUpdate`'s
+                          `_record_point`)
 and the host's memory bandwidth (numpy copies on 1-16 threads), which the copies share.
 A probe for the design, not a trainer feature.
 """
@@ -103,6 +106,18 @@ def main() -> int:
         chained_call_s.append(time.perf_counter() - start)
         return back, compute(x)
 
+    # The streamed update queues hundreds of small copies: PJRT's worker thread may then
+    # enqueue them after the next program launched, and they wait for all of it, unless a
+    # tiny program launched first records the compute-stream point they wait for.
+    many = [
+        jax.device_put(np.zeros(n * args.chunks // 512, np.float32), pinned) for _ in range(512)
+    ]
+    tiny = jax.jit(lambda: jnp.zeros((), jnp.int8), out_shardings=on_device)
+
+    def many_h2d(tick: bool):
+        copies = [jax.device_put(h, on_device) for h in many]
+        return copies, tiny() if tick else None, compute(x)
+
     chained_call_s = []
     cases = {
         "compute": lambda: compute(x),
@@ -117,6 +132,8 @@ def main() -> int:
         "compute then both": lambda: (compute(x), h2d(), d2h()),
         "update schedule": schedule,
         "chained": chained,
+        "512 h2d then compute": lambda: many_h2d(False),
+        "512 h2d, tiny program, compute": lambda: many_h2d(True),
     }
     for _ in range(3):  # The pinned pool's first copies crawl: warmed first.
         jax.block_until_ready(cases["both"]())

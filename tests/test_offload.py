@@ -494,7 +494,8 @@ def test_delayed_update_applies_each_steps_grads_a_step_late(guarded, kw):
 def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
     """The runtime starts a copy only after the device work queued before it: the update's
     first in_flight // 2 chunks are fetched before the forward/backward whose grads they take
-    (delayed: the one they run beside) is dispatched, the rest after it."""
+    (delayed: the one they run beside) is dispatched, the rest after it; after each batch of
+    copies a tiny program records the point they wait for ("tick")."""
     config = small_config(
         offload__policy="optimizer", offload__chunks_in_flight=6, offload__delayed_update=delayed
     )
@@ -512,10 +513,12 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
 
     exp.steps.grad_step = logged_grad_step  # Before train_step is built: it keeps this one.
     update._fetch = logged_fetch
+    record = update._record_point
+    update._record_point = lambda: (events.append("tick"), record())
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
-    prefetched = [0, 1, 2, "step", *range(3, len(update.chunks))]
+    prefetched = [0, 1, 2, "tick", "step", *range(3, len(update.chunks)), "tick"]
     # Delayed: the first step's dispatch has no update waiting to fetch for.
     assert events == (["step"] if delayed else prefetched) + prefetched, events
 
