@@ -147,7 +147,7 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     if jax.default_backend() == "gpu":
         # XLA's pinned-host pool stops at its cap, and the process needs memory beside it.
         cap = int(_pinned_pool_cap_gb() * 2**30)
-        host = min(host, cap, _host_available() - _BESIDE_POOL)
+        host = max(0, min(host, cap, _host_available() - _BESIDE_POOL))
     local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
     if o.ssd_dir:
