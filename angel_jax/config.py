@@ -198,8 +198,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.cpu_update = 0.0
     # One-step delayed update (ZeRO-Offload's DPU; off by default, it changes the math): step
     # t's update runs while step t+1's forward/backward does, so step t+1 computes on weights
-    # without step t's update. Only the host cores' share (cpu_update) then overlaps the GPU's
-    # compute: the device's copies and update kernels queue behind the step. A checkpoint
+    # without step t's update. The host cores' share (cpu_update) then runs beside the GPU's
+    # compute; of the device's share only its prefetched chunks' copies do, its update kernels
+    # queue behind the step. Slower than the exact update on the H200 (README). A checkpoint
     # applies the waiting update first (resuming from one gives the same run).
     c.offload.delayed_update = False
 

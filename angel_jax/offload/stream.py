@@ -260,8 +260,9 @@ class StreamedUpdate:
             state is donated): else the old and the new states would both be in host memory
             until the update returns. Freed once the copies have read them."""
             if chunks[k].tier != SSD:
+                leaves = self._leaves(k, masters, states)
                 for i in self._moves[k][1]:
-                    self._leaves(k, masters, states)[i].delete()
+                    leaves[i].delete()
 
         home = []  # Per chunk: what to wait on before its device buffers are free.
         gone = 0  # Chunks waited for (home, their device buffers free).
