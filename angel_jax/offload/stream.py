@@ -148,7 +148,7 @@ class StreamedUpdate:
 
     The runtime starts a copy only after the device work queued before it, and runs it beside
     the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
-    165 ms program took 167 ms in all, queued after it 320). So the first `in_flight` // 2
+    165 ms program took 167 ms in all, queued after it 319). So the first `in_flight` // 2
     chunks are fetched by `prefetch` before the forward/backward that makes their grads is
     dispatched, and the last chunks' copies home run beside the next one. "Queued before" is
     subtler than the call order: PJRT's GPU client hands a copy to a worker thread, and the
