@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from angel_jax import sharding
+from angel_jax import sharding, steps
 from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload import planner
-from angel_jax.offload.planner import DEVICE, HOST, check_compiled
+from angel_jax.offload.planner import DEVICE, HOST, CompiledTooLarge, check_compiled
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -157,6 +157,37 @@ def test_auto_fills_the_device_first(eight_layers):
     # The plan counts resident chunks whole, with their two AdamW step counts.
     counts = 2 * 4 * len(exp.plan.resident)
     assert resident + counts == exp.plan.state_bytes["resident chunks"] > counts
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+def test_auto_plans_again_when_the_compiled_step_outgrows_the_estimate(eight_layers, monkeypatch):
+    """`build` compiles an `auto` plan's step with device-resident chunks and, when XLA's
+    temporaries exceed the activation estimate, plans again with them: fewer resident chunks,
+    and a step that fits and trains as `none` does (the same plan unfitted is refused at its
+    first use)."""
+    # Wider and on fewer rows: the states outweigh the activations, as in a large model.
+    kw = dict(eight_layers[0], model__d_model=256, model__ffn_dim=512, train__batch_size=8)
+    mesh = make_mesh(small_config(**kw).mesh)
+    _, _, ref_losses = train(small_config(**kw))
+    exp = build(small_config(offload__policy="optimizer", **kw), mesh)
+    temps = exp.steps.grad_step.memory_analysis().temp_size_in_bytes
+    # An estimate 1.5 MiB short of the temporaries: more than a fill leaves over, less than
+    # the resident chunks' room.
+    short, estimate = 3 * 2**19, planner.activation_bytes
+    low = lambda c, m: {**estimate(c, m), "activations": temps - short - 2**18}
+    assert estimate(exp.config, mesh)["layer inputs"] == 2**18
+    monkeypatch.setattr(planner, "activation_bytes", low)
+    plan = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
+    between = (plan("optimizer").tier_bytes(DEVICE) + plan("none").tier_bytes(DEVICE)) / 2
+    # On a CPU, an emulated device budget is not checked against compiled sizes: here it is.
+    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    config = small_config(offload__policy="auto", offload__device_gib=between / 0.95 / 2**30, **kw)
+    unfitted = build(config, mesh, fit_compiled=False)
+    with pytest.raises(CompiledTooLarge, match="the compiled train step needs"):
+        _ = unfitted.train_step
+    exp, _, losses = train(config)
+    assert exp.plan.state_bytes["activations"] == temps - 2**18
+    assert 0 < len(exp.plan.resident) < len(unfitted.plan.resident)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
 
 
@@ -494,8 +525,7 @@ def test_delayed_update_applies_each_steps_grads_a_step_late(guarded, kw):
 def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
     """The runtime starts a copy only after the device work queued before it: the update's
     first in_flight // 2 chunks are fetched before the forward/backward whose grads they take
-    (delayed: the one they run beside) is dispatched, the rest after it; after each batch of
-    copies a tiny program records the point they wait for ("tick")."""
+    (delayed: the one they run beside) is dispatched, the rest after it."""
     config = small_config(
         offload__policy="optimizer", offload__chunks_in_flight=6, offload__delayed_update=delayed
     )
@@ -513,12 +543,10 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
 
     exp.steps.grad_step = logged_grad_step  # Before train_step is built: it keeps this one.
     update._fetch = logged_fetch
-    record = update._record_point
-    update._record_point = lambda: (events.append("tick"), record())
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
-    prefetched = [0, 1, 2, "tick", "step", *range(3, len(update.chunks)), "tick"]
+    prefetched = [0, 1, 2, "step", *range(3, len(update.chunks))]
     # Delayed: the first step's dispatch has no update waiting to fetch for.
     assert events == (["step"] if delayed else prefetched) + prefetched, events
 

@@ -150,13 +150,7 @@ class StreamedUpdate:
     the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
     165 ms program took 167 ms in all, queued after it 319). So the first `in_flight` // 2
     chunks are fetched by `prefetch` before the forward/backward that makes their grads is
-    dispatched, and the last chunks' copies home run beside the next one. "Queued before" is
-    subtler than the call order: PJRT's GPU client hands a copy to a worker thread, and the
-    copy waits for a point on the compute stream that is recorded by whichever comes first,
-    that thread or the next program launched; with hundreds of copies queued the next program
-    usually wins, and the copies then wait for all of it (read in XLA's source:
-    `tracked_device_buffer.cc`, `local_device_state.cc`). `_record_point` launches a tiny
-    program right after a batch of copies, so that point falls before the big one.
+    dispatched, and the last chunks' copies home run beside the next one.
     """
 
     def __init__(
@@ -186,15 +180,7 @@ class StreamedUpdate:
         grads the update takes, so the copies run beside that step. The host copies stay until
         the update reads them: an update left out (an anomalous step) loses nothing."""
         first = range(min(self.ahead, len(self.chunks)))
-        fetched = {k: self._fetch(k, masters, states) for k in first}
-        self._record_point()
-        return fetched
-
-    def _record_point(self) -> None:
-        """Launches a tiny program on the chunks' devices: the copies queued so far wait for
-        the compute stream up to here, not up to the end of the next program."""
-        if self.chunks:
-            _tiny(self.chunks[0].master_sharding.mesh)()
+        return {k: self._fetch(k, masters, states) for k in first}
 
     def _leaves(self, k: int, masters: list, states: list) -> list:
         """Chunk k's [master, *state leaves] as they are between steps."""
@@ -302,7 +288,6 @@ class StreamedUpdate:
             # Fetched and not yet updated, or updated and maybe not yet home.
             on_device = len(fetched) + len(home) - gone
             self.most_in_flight = max(self.most_in_flight, on_device)
-        self._record_point()  # The last chunks' copies home run beside the next step.
         start = time.perf_counter()
         for c, new in on_cpu:
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
@@ -350,11 +335,6 @@ def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.
         return out
     index = layer_index(compute.sharding.mesh, layer)
     return _set_layer(compute.sharding)(compute, new, index)
-
-
-@functools.cache
-def _tiny(mesh):
-    return jax.jit(lambda: jnp.zeros((), jnp.int8), out_shardings=NamedSharding(mesh, P()))
 
 
 @functools.cache
