@@ -66,10 +66,11 @@ def make_state_layout(
     optimizer: Optimizer,
     to_stages=None,
     inputs_offloadable: bool = False,
+    extra_activations: int = 0,
 ) -> StateLayout:
     """The layout of the state around params of these (logically boxed) shapes; `to_stages`
     (the pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the
-    planner may keep the layers' inputs in host memory."""
+    planner may keep the layers' inputs in host memory; `extra_activations`: `make_plan`'s."""
     logical = sharding.logical_axes(boxed_params)
     abstract_params = flax.linen.meta.unbox(boxed_params)
     if to_stages:  # Stored stage by stage.
@@ -107,6 +108,7 @@ def make_state_layout(
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,
+        extra_activations=extra_activations,
         measure_rates=lambda: measure_rates(
             optimizer, _largest_path(abstract_params), jnp.dtype(config.model.dtype)
         ),

@@ -52,9 +52,14 @@ class _Step:
         exp = self.exp
         with sharding.use_rules(exp.mesh, exp.rules):
             compiled = jitted.lower(*abstract_args).compile()
-        if jax.default_backend() != "cpu" or exp.config.offload.device_gib <= 0:
+        if self.checks_compiled:
             check_compiled(exp.plan, compiled.memory_analysis())
         return compiled
+
+    @property
+    def checks_compiled(self) -> bool:
+        """Whether `compile` checks the program against the plan (see there)."""
+        return jax.default_backend() != "cpu" or self.exp.config.offload.device_gib <= 0
 
     def settle(self, state: TrainState) -> TrainState:
         """`state` with any update still waiting applied (`OffloadedStep`'s delayed update)."""

@@ -8,6 +8,7 @@ imports.
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ from angel_jax.config import objective
 from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
-from angel_jax.offload.planner import Plan
+from angel_jax.offload.planner import CompiledTooLarge, Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
 from angel_jax.offload.stream import (
@@ -199,7 +200,29 @@ class Experiment:
         return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
 
 
-def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
+def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = True) -> Experiment:
+    """The experiment `config` describes on `mesh`. A plan that keeps optimizer chunks resident
+    on the device (policy auto) fills the room the activation estimate leaves; with
+    `fit_compiled`, the step is compiled here and, if its temporaries exceed the estimate, the
+    plan is made again with what they took (fewer resident chunks) before anything is
+    allocated. Otherwise the first use of the step compiles it and refuses a plan it overruns."""
+    exp = _build(config, mesh)
+    if not (fit_compiled and exp.plan.resident and exp.steps.checks_compiled):
+        return exp
+    try:
+        _ = exp.steps.grad_step  # Compiles and checks the step; train_step reuses it.
+        return exp
+    except CompiledTooLarge as e:
+        extra = e.beyond_estimate
+    print(
+        f"the compiled step's temporaries took {extra / 2**30:.1f} GiB more than the plan's "
+        "activation estimate: planned again with them, fewer chunks resident on the device",
+        file=sys.stderr,
+    )
+    return _build(config, mesh, extra)
+
+
+def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int = 0):
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
         apply_checkpoint_architecture(config)
@@ -228,7 +251,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh) -> Experiment:
     # The pipeline's stage planner keeps its own activation model: inputs stay on the device.
     offloadable = family.offloads_layer_inputs and not pipeline
     layout = make_state_layout(
-        config, mesh, rules, boxed["params"], optimizer, to_stages, offloadable
+        config, mesh, rules, boxed["params"], optimizer, to_stages, offloadable, extra_activations
     )
     if layout.plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)

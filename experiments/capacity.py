@@ -61,8 +61,9 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
 
     def plan(layers):
         config = load_config(a.config, overrides(a, layers, optimizer, policy))
-        try:
-            return build(config, make_mesh(config.mesh, jax.devices()[:1])).plan
+        try:  # The plan alone: the compiled step is checked below, once.
+            mesh = make_mesh(config.mesh, jax.devices()[:1])
+            return build(config, mesh, fit_compiled=False).plan
         except ConfigError:
             return None
 
@@ -75,19 +76,21 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
     if lo == 0:
         return None
     # On a GPU, `build` also checks the compiled step's memory (its temporaries, not the
-    # planner's activation estimate): step down until that fits too.
+    # planner's activation estimate; `auto` plans again with them): step down until it fits.
     refused = []
-    while jax.default_backend() != "cpu":
+    while True:
         config = load_config(a.config, overrides(a, lo, optimizer, policy))
         try:
-            _ = build(config, make_mesh(config.mesh, jax.devices()[:1])).train_step  # Compiles.
+            exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+            if jax.default_backend() != "cpu":
+                _ = exp.train_step  # Compiles.
             break
         except ConfigError as e:
             refused.append(dict(layers=lo, error=str(e)))
             lo = min(lo - 1, int(lo * 0.95))
             if lo == 0 or len(refused) == 5:
                 return None
-    p = plan(lo)
+    p = exp.plan
     return lo, dict(
         refused_by_compiled_check=refused,
         params=p.num_params,

@@ -23,6 +23,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -216,31 +217,30 @@ def run_ours(
 
 def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) -> dict:
     """The last JSON line `cmd` prints, or its exit code and last lines; `log` keeps all of its
-    stderr. RUN_TIMEOUT_S (seconds, 0 or unset: none) limits it."""
+    stderr, written as it comes (a run killed from outside leaves it). RUN_TIMEOUT_S (seconds,
+    0 or unset: none) limits it."""
     limit = float(os.environ.get("RUN_TIMEOUT_S") or 0) or None
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=limit)
-    except subprocess.TimeoutExpired as e:
-        if log:
-            pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
-            pathlib.Path(log).write_text(_text(e.stderr))
-        tail = _text(e.stderr).strip().splitlines()[-3:]
-        return dict(error=[f"timed out after {limit:.0f} s (RUN_TIMEOUT_S)", *tail])
     if log:
         pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(log).write_text(proc.stderr)
+    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as f:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=limit
+            )
+        except subprocess.TimeoutExpired:
+            proc = None
+        f.seek(0)
+        stderr = f.read()
+    if proc is None:
+        tail = stderr.strip().splitlines()[-3:]
+        return dict(error=[f"timed out after {limit:.0f} s (RUN_TIMEOUT_S)", *tail])
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        output = (proc.stderr or proc.stdout).strip().splitlines()
+        output = (stderr or proc.stdout).strip().splitlines()
         # The error's own lines (a traceback's last lines may be XLA's op locations only).
         errors = [line for line in output if "Error" in line or "error:" in line][-3:]
         return dict(error=[f"exit code {proc.returncode}", *errors, *output[-5:]])
     return json.loads(lines[-1])
-
-
-def _text(output) -> str:
-    """A TimeoutExpired's captured output (bytes, str or None) as text."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def machine() -> dict:

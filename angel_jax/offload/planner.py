@@ -343,6 +343,7 @@ def make_plan(
     stacked,
     inputs_offloadable: bool,
     measure_rates=None,
+    extra_activations: int = 0,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
@@ -350,7 +351,9 @@ def make_plan(
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
     `inputs_offloadable`: the model's layers can keep their inputs in host memory;
     `measure_rates`: () -> the rates `hybrid_share` takes (`cpu.measure_rates`), called when
-    config.offload.cpu_update is -1 and the plan offloads the optimizer.
+    config.offload.cpu_update is -1 and the plan offloads the optimizer;
+    `extra_activations`: bytes the compiled step's temporaries took beyond the activation
+    estimate (`CompiledTooLarge.beyond_estimate`), added to it.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -359,6 +362,7 @@ def make_plan(
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
     activations = activation_bytes(config, mesh)
+    activations["activations"] += extra_activations
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
 
@@ -586,6 +590,15 @@ def _with_cpu_update(plan: Plan, share: float, host) -> Plan:
     )
 
 
+class CompiledTooLarge(ConfigError):
+    """The compiled step does not fit beside the plan's device states; its temporaries took
+    `beyond_estimate` bytes more than the planner's activation estimate."""
+
+    def __init__(self, message: str, beyond_estimate: int):
+        super().__init__(message)
+        self.beyond_estimate = beyond_estimate
+
+
 def check_compiled(plan: Plan, memory) -> None:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
     device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
@@ -605,9 +618,10 @@ def check_compiled(plan: Plan, memory) -> None:
         if not plan.layer_inputs_on_host:
             fixes += ["config.offload.activations=host (with remat)"]
         fixes += ["more remat (config.model.remat)", "a smaller batch or model", "more devices"]
-        raise ConfigError(
+        raise CompiledTooLarge(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "
             f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "
             f"estimate of {estimate / 2**30:.1f} GiB of activations), more than the "
-            f"{usable / 2**30:.1f} GiB usable: use {', '.join(fixes[:-1])} or {fixes[-1]}"
+            f"{usable / 2**30:.1f} GiB usable: use {', '.join(fixes[:-1])} or {fixes[-1]}",
+            memory.temp_size_in_bytes - estimate,
         )
