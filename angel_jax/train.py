@@ -222,7 +222,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
     return _build(config, mesh, extra)
 
 
-def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int = 0):
+def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int = 0) -> Experiment:
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
         apply_checkpoint_architecture(config)

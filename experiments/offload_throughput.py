@@ -157,9 +157,10 @@ VARIANTS = [
         [*DEVICE_UPDATE, *TOKENS_128K, "--config.train.microbatches=16"],
         0,
     ),
-    # auto: the device's spare room (about 35 GiB here) keeps chunks resident; the host's cores
-    # take a share of the rest. (Every chunk on the host's cores, 96 GB in plain host memory
-    # beside the pinned pool, does not fit the 125 GiB machine: the planner refuses it.)
+    # auto: the device's spare room (31 GiB here, once the compiled step's temporaries are
+    # counted) keeps chunks resident; the host's cores take a share of the rest. (Every chunk
+    # on the host's cores, 96 GB in plain host memory beside the pinned pool, does not fit the
+    # 125 GiB machine: the planner refuses it.)
     (
         "llama3_8b auto, 16 x 8192 in 16 microbatches, device update",
         "llama3_8b",

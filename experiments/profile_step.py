@@ -118,7 +118,8 @@ def communication(events: list[dict], dma: bool = False) -> dict:
     comm, compute = [], []
     for e in events:
         k = event_kind(e)
-        if is_dma(e) if dma else k == "collective":
+        wanted = is_dma(e) if dma else k == "collective"
+        if wanted:
             comm.append(e)
         elif k not in ("collective", "copy"):
             compute.append(e)
