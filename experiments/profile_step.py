@@ -4,8 +4,9 @@ kernel, with the top HLO ops and the JAX code each comes from.
     python experiments/profile_step.py [--config configs/llama_1b.py] [--steps 3] [--warmup 3] \
         [--out experiments/results/profile_llama_1b.json] [-- --config.train.batch_size=16 ...]
 
-Writes the table, a JSON summary (`--out`), and beside it the optimized HLO (`.hlo.txt.gz`) and the
-Perfetto trace (`.trace.json.gz`, open it in ui.perfetto.dev).
+Writes the table, a JSON summary (`--out`), and beside it the optimized HLO (`.hlo.txt.gz`), the
+Perfetto trace (`.trace.json.gz`, open it in ui.perfetto.dev) and a condensed time line of it
+(`.timeline.txt`: each stream's runs of work and the host's blocking calls, in order).
 """
 
 import argparse
@@ -130,6 +131,60 @@ def communication(events: list[dict], dma: bool = False) -> dict:
         exposed_collective_us=comm_us - hidden_us,
         overlapped_fraction=hidden_us / comm_us if comm_us else None,
     )
+
+
+# Host events worth a line of the timeline: the runtime's blocking points, program launches,
+# copies' dispatch and pinned-memory allocations (a growing pinned pool stalls the caller).
+_HOST_MARKS = ("Wait", "Execute (", "CopyToMemorySpace", "cuMemHostAlloc", "block_until_ready")
+
+
+def timeline(trace: dict, min_host_ms: float = 1.0) -> list[str]:
+    """The trace as a condensed time line, one line per run of work: each GPU stream's
+    consecutive kernels of one program (compute stream) or copies of one direction (copy
+    streams) merged, and the host's blocking events longer than `min_host_ms`. Shows what
+    waits for what: a program that starts only when a host call returns, copies queued
+    behind a program, the host thread stuck in an allocation."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    rows = []
+    for stream, es in device_events(trace).items():
+        compute = "Compute" in stream
+        run = None
+        for e in sorted(es, key=lambda e: e["ts"]):
+            label = (
+                e.get("args", {}).get("hlo_module", e["name"])
+                if compute
+                else (
+                    "host->device"
+                    if "H2D" in e["name"]
+                    else "device->host"
+                    if "D2H" in e["name"]
+                    else e["name"]
+                )
+            )
+            if run and run[2] == label and e["ts"] - run[1] < 30:  # µs: the same run of work.
+                run[1], run[3] = max(run[1], e["ts"] + e["dur"]), run[3] + 1
+            else:
+                if run:
+                    rows.append((run[0], run[1], stream.split("/")[-1], f"{run[2]} x{run[3]}"))
+                run = [e["ts"], e["ts"] + e["dur"], label, 1]
+        if run:
+            rows.append((run[0], run[1], stream.split("/")[-1], f"{run[2]} x{run[3]}"))
+    start = min((r[0] for r in rows), default=0.0)
+    for e in events:
+        if e.get("ph") != "X" or "GPU" in procs.get(e["pid"], ""):
+            continue
+        if e["dur"] >= min_host_ms * 1e3 and any(m in e["name"] for m in _HOST_MARKS):
+            thread = threads.get((e["pid"], e.get("tid")), "")
+            detail = e.get("args", {}).get("memalloc_details", "")
+            rows.append((e["ts"], e["ts"] + e["dur"], f"host {thread}", f"{e['name']} {detail}"))
+    return [
+        f"{(t0 - start) / 1e3:10.2f} ms {(t1 - t0) / 1e3:9.2f} ms  {where[:28]:28s} {what[:100]}"
+        for t0, t1, where, what in sorted(rows)
+    ]
 
 
 def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
@@ -275,6 +330,8 @@ def main() -> int:
     with gzip.open(out.with_suffix(".hlo.txt.gz"), "wt") as f:
         f.write(hlo_text)
     shutil.copy(trace_file, out.with_suffix(".trace.json.gz"))
+    with gzip.open(trace_file) as f:
+        out.with_suffix(".timeline.txt").write_text("\n".join(timeline(json.load(f))) + "\n")
     return 0
 
 

@@ -35,3 +35,41 @@ def test_a_childs_log_is_written_while_it_runs(tmp_path):
         time.sleep(0.05)
     assert runner.is_alive() and "begun" in log.read_text()
     runner.join()
+
+
+def test_the_timeline_merges_runs_of_work_and_keeps_long_host_calls():
+    import profile_step
+
+    def meta(pid, name, tid=None):
+        kind = "process_name" if tid is None else "thread_name"
+        return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+    def x(pid, tid, name, ts, dur, **args):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            meta(1, "/device:GPU:0"),
+            meta(1, "Stream #1(Compute)", 1),
+            meta(1, "Stream #2(MemcpyH2D)", 2),
+            meta(2, "/host:CPU"),
+            meta(2, "python", 7),
+            # Two kernels of one program 10 us apart: one run. A second program: another.
+            x(1, 1, "fusion", 0, 100, hlo_module="grad"),
+            x(1, 1, "gemm", 110, 100, hlo_module="grad"),
+            x(1, 1, "fusion", 300, 50, hlo_module="update"),
+            x(1, 2, "MemcpyH2D", 50, 20),
+            x(1, 2, "MemcpyH2D", 90, 30),
+            x(2, 7, "cuMemHostAlloc", 0, 5000, memalloc_details="31 GiB"),
+            x(2, 7, "cuMemHostAlloc", 0, 10),  # Under min_host_ms: left out.
+        ]
+    }
+    lines = profile_step.timeline(trace, min_host_ms=1.0)
+    assert len(lines) == 4, lines
+
+    def duration_ms(what):
+        return float(next(line for line in lines if what in line).split()[2])
+
+    assert duration_ms("grad x2") == 0.21 and duration_ms("update x1") == 0.05, lines
+    assert duration_ms("host->device x2") == 0.07, lines
+    assert duration_ms("cuMemHostAlloc 31 GiB") == 5.0, lines

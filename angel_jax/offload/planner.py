@@ -143,11 +143,7 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     else:
         stats = jax.local_devices()[0].memory_stats() or {}
         device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
-    host = int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available()
-    if jax.default_backend() == "gpu":
-        # XLA's pinned-host pool stops at its cap, and the process needs memory beside it.
-        cap = int(_pinned_pool_cap_gb() * 2**30)
-        host = max(0, min(host, cap, _host_available() - _BESIDE_POOL))
+    host = host_budget(int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available())
     local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
     if o.ssd_dir:
@@ -162,8 +158,28 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     return budget
 
 
+def host_budget(host: int, backend: str | None = None) -> int:
+    """The pinned host tier's bytes out of `host`: on a GPU no more than XLA's pinned-host pool's
+    cap, and, unless the pool is preallocated (already out of what the host has available),
+    leaving the process its memory beside the pool."""
+    if (backend or jax.default_backend()) != "gpu":
+        return host
+    cap = int(_pinned_pool_cap_gb() * 2**30)
+    if _pool_preallocated():
+        return max(0, min(host, cap))
+    return max(0, min(host, cap, _host_available() - _BESIDE_POOL))
+
+
 def _pinned_pool_cap_gb() -> float:
     return float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
+
+
+def _pool_preallocated() -> bool:
+    """XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE: the pinned-host pool is allocated whole, its cap,
+    when the GPU client starts. It spares the run the pool's growth (on the H200 a 31 GiB region
+    took 13.8 s to pin, inside a step) at the cost of pinning it all at start."""
+    value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "")
+    return value.lower() in ("1", "true")
 
 
 def pool_fixes(short: set[str], backend: str | None = None) -> list[str]:
@@ -212,11 +228,22 @@ def pool_overflow(plan: Plan, local_devices: int, backend: str | None = None) ->
     plain = plan.state_bytes.get("CPU-updated chunks", 0) * local_devices
     need = plan.tier_bytes(HOST) * local_devices - plain
     cap = int(_pinned_pool_cap_gb() * 2**30)
-    held, available = pinned_pool_hold(need, cap), _host_available()
+    beside = f"{plain / 2**30:.1f} GiB of host-updated chunks and " if plain else ""
+    available = _host_available()
+    if _pool_preallocated():  # The pool is held already: `available` is what is left beside it.
+        if plain + _BESIDE_POOL <= available:
+            return ""
+        return (
+            f"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE holds the pinned-host pool's whole cap "
+            f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}) from the start, "
+            f"leaving {available / 2**30:.1f} GiB, less than {beside}"
+            f"{_BESIDE_POOL / 2**30:.0f} GiB for the process: lower the cap, or unset "
+            f"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE and let the pool grow"
+        )
+    held = pinned_pool_hold(need, cap)
     if held + plain + _BESIDE_POOL <= available:
         return ""
     fit = math.ceil(need / USABLE / 2**30)
-    beside = f"{plain / 2**30:.1f} GiB of host-updated chunks and " if plain else ""
     return (
         f"XLA's pinned-host pool grows in doubling regions up to its cap and keeps them: for "
         f"this plan's {need / 2**30:.1f} GiB it would hold {held / 2**30:.1f} GiB "
