@@ -111,8 +111,12 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         state, metrics = train_step(state, exp.global_batch(next(batches)))
         warmup_losses.append(float(metrics["loss"]))
     start = time.perf_counter()
+    # When each step's call returned (host time, device work not waited for): a step that
+    # stalls the host (a pinned-pool growth, a blocked dispatch) stands out among them.
+    returned_s = []
     for _ in range(steps):
         state, metrics = train_step(state, exp.global_batch(next(batches)))
+        returned_s.append(time.perf_counter() - start)
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
@@ -139,6 +143,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
         loss=loss,
         warmup_losses=warmup_losses,
+        step_returned_s=returned_s,
         **plan,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
