@@ -266,7 +266,7 @@ def _host_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _local_bytes(abstract_tree, dtype=None) -> int:
+def local_bytes(abstract_tree, dtype=None) -> int:
     total = 0
     for x in jax.tree.leaves(abstract_tree):
         shape = x.sharding.shard_shape(x.shape)
@@ -323,8 +323,8 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
 def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
     """Bytes per device of (the stacked layer weights, the rest)."""
     leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(stacked), strict=True)
-    layers = sum(_local_bytes(p, dtype) for p, s in leaves if s)
-    return layers, _local_bytes(abstract_params, dtype) - layers
+    layers = sum(local_bytes(p, dtype) for p, s in leaves if s)
+    return layers, local_bytes(abstract_params, dtype) - layers
 
 
 def _chunks(
@@ -338,7 +338,7 @@ def _chunks(
         jax.tree.leaves(stacked),
         strict=True,
     ):
-        master, state = _local_bytes(p), _local_bytes(leaf_state)
+        master, state = local_bytes(p), local_bytes(leaf_state)
         key = jax.tree_util.keystr(path)
         if is_stacked:
             n = p.shape[0]
@@ -396,9 +396,9 @@ def make_plan(
     def sizes(name: str) -> dict[str, int]:
         if name == "none":  # float32 masters are the compute params; float32 grads.
             return {
-                "compute params": _local_bytes(params),
-                "grads": _local_bytes(grads) * (2 if accumulating else 1),
-                "optimizer state": _local_bytes(opt),
+                "compute params": local_bytes(params),
+                "grads": local_bytes(grads) * (2 if accumulating else 1),
+                "optimizer state": local_bytes(opt),
                 **activations,
             }
         # Grads come in the compute dtype; accumulating adds a float32 sum.
@@ -410,8 +410,8 @@ def make_plan(
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
-            "master params": _local_bytes(offloaded_masters),
-            "optimizer state": _local_bytes(opt),
+            "master params": local_bytes(offloaded_masters),
+            "optimizer state": local_bytes(opt),
             "update chunks": chunks,
             **activations,
         }

@@ -10,7 +10,6 @@ host grad sums) holds on the device.
 
 import concurrent.futures as futures
 import functools
-import math
 import time
 from typing import NamedTuple
 
@@ -20,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD
+from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD, local_bytes
 from angel_jax.optim import Optimizer
 
 Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
@@ -280,10 +279,9 @@ class StreamedUpdate:
                 leaves = fetched.pop(g)
                 release(ks)
             weights = list(dict.fromkeys(c.weight for c in group))
-            layer_grads = [grads[c.weight] for c in group]
             layer_grads = [
-                x[c.layer] if isinstance(x, tuple) else x
-                for x, c in zip(layer_grads, group, strict=True)
+                grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
+                for c in group
             ]
             new_masters, new_states, new_compute = self._fn(ks, layer_grads, compute)(
                 layer_grads,
@@ -336,9 +334,8 @@ class StreamedUpdate:
         """The jitted update of a group of chunks: one program per sequence of weights (and
         whether each grad is stacked), not per layer, so groups alike share it."""
         group = [self.chunks[k] for k in ks]
-        indexed = [
-            g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)
-        ]  # Stacked grads.
+        # Stacked grads: the program picks the layer.
+        indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
         key = tuple((c.weight, i) for c, i in zip(group, indexed, strict=True))
         if key not in self._fns:
             weights = list(dict.fromkeys(c.weight for c in group))
@@ -378,10 +375,7 @@ class StreamedUpdate:
 
 def chunk_bytes(c: Chunk) -> int:
     """A chunk's master and optimizer state bytes on one device."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-        for x in [c.master, *jax.tree.leaves(c.state)]
-    )
+    return local_bytes([c.master, c.state])
 
 
 # A group's program holds each of its chunks' update unrolled: this bounds its compile time.
