@@ -8,6 +8,7 @@ Inside the jitted step, `pipelined` bounds how many chunks a pass over them (the
 host grad sums) holds on the device.
 """
 
+import collections
 import concurrent.futures as futures
 import functools
 import time
@@ -171,6 +172,9 @@ class StreamedUpdate:
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
+        # Per group on its way home, in update order: [its host copies, its device outputs,
+        # the caller's old host copies], deleted by `_delete_ready`.
+        self._leaving = collections.deque()
         # Per chunk, its leaves [master, *state] flat: the ones to move between tiers, with
         # their shardings on the device and at home. Built once: the loop is Python-bound
         # on small chunks.
@@ -197,6 +201,10 @@ class StreamedUpdate:
         c = self.chunks[k]
         get = lambda tree: tree[c.weight] if c.layer is None else tree[c.weight][c.layer]
         return [get(masters), *jax.tree.leaves(get(states))]
+
+    def _moved(self, ks: list[int], leaves: list[list]) -> list:
+        """Of chunks ks' leaves, the ones that move between tiers, flat."""
+        return [x[i] for k, x in zip(ks, leaves, strict=True) for i in self._moves[k][1]]
 
     def _move(self, ks: list[int], leaves: list[list], to_device: bool) -> list[list]:
         """Chunks ks' leaves with the moving ones copied to the device or home, in one call."""
@@ -242,6 +250,7 @@ class StreamedUpdate:
         compute) likewise; donates `masters`, `states` and `compute`.
         """
         chunks, groups, n = self.chunks, self.groups, len(self.groups)
+        self._delete_ready()
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
@@ -259,15 +268,6 @@ class StreamedUpdate:
             else:
                 tree[c.weight][c.layer] = value
 
-        def release(ks):
-            """Deletes chunks ks' host copies once their copies down are queued (the caller's
-            state is donated): else the old and the new states would both be in host memory
-            until the update returns. Freed once the copies have read them."""
-            for k in ks:
-                leaves = self._leaves(k, masters, states)
-                for i in self._moves[k][1]:
-                    leaves[i].delete()
-
         home = []  # Per group: what to wait on before its device buffers are free.
         leaving = set()  # Groups updated and maybe not yet home.
         for g, ks in enumerate(groups):
@@ -277,7 +277,8 @@ class StreamedUpdate:
                 leaves = self._move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
             else:
                 leaves = fetched.pop(g)
-                release(ks)
+                # The caller's host copies (its state is donated), deleted once read.
+                old = self._moved(ks, [self._leaves(k, masters, states) for k in ks])
             weights = list(dict.fromkeys(c.weight for c in group))
             layer_grads = [
                 grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
@@ -299,11 +300,13 @@ class StreamedUpdate:
             if group[0].tier == SSD:
                 home.append(self.ssd.put(group[0], new_masters[0], new_states[0]))
             else:
+                device_outs = self._moved(ks, outs)
                 outs = self._move(ks, outs, to_device=False)
                 for k, c, x in zip(ks, group, outs, strict=True):
                     put(masters, c, x[0])
                     put(states, c, self._moves[k][0].unflatten(x[1:]))
                 home.append(outs)
+                self._leaving.append([self._moved(ks, outs), device_outs, old])
             leaving.add(g)
             nxt = g + self.ahead
             if nxt < n:
@@ -311,6 +314,7 @@ class StreamedUpdate:
                     _wait(home[nxt - self.in_flight])
                     home[nxt - self.in_flight] = None
                     leaving.discard(nxt - self.in_flight)
+                    self._delete_ready()
                 fetched[nxt] = self._fetch(nxt, masters, states)
             # Fetched and not yet updated, or updated and maybe not yet home.
             on_device = [*fetched, *leaving]
@@ -318,6 +322,13 @@ class StreamedUpdate:
             self.most_bytes_in_flight = max(
                 self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
             )
+        self._delete_ready()
+        # Groups on their way home stay on the device beside the next step, as many as the
+        # planner counts (`planner._in_flight_bytes`); older ones are waited for.
+        while len(self._leaving) > self.in_flight - self.ahead + 1:
+            home, device_outs, old = self._leaving.popleft()
+            _wait([x for x in home if not x.is_deleted()])
+            _delete([*old, *device_outs])
         start = time.perf_counter()
         for c, new in on_cpu:
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
@@ -325,6 +336,27 @@ class StreamedUpdate:
             self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
         return tuples(masters), tuples(states), compute
+
+    def _delete_ready(self) -> None:
+        """Deletes what the copies of the groups on their way home (`_leaving`) have read,
+        without waiting: the caller's old host copies once the group's update has run (its
+        copies up are done), its device outputs once their copies home are done.
+
+        On the GPU (PJRT's compute-synchronized allocation) a buffer deleted while a copy
+        stream still reads it makes the compute stream wait for that copy stream: the next
+        program, a grad step or an update, would start only when the copies queued so far
+        are done (H200 profile, 2026-12-03: the grad step's first kernel waited 60-105 ms for
+        the update's copies home)."""
+        # A ready array may be deleted since (the next update read and deleted it).
+        ready = lambda xs: all(x.is_deleted() or x.is_ready() for x in xs)
+        for entry in list(self._leaving):
+            home, device_outs, old = entry
+            if old and ready(device_outs):
+                _delete(old)
+                entry[2] = []
+            if ready(home):
+                _delete([*entry[2], *device_outs])
+                self._leaving.remove(entry)
 
     def start_on_cpu(self, grads: list, scale, compute: list) -> list:
         """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
@@ -436,6 +468,11 @@ def _set_layer(sharding):
         return jax.lax.dynamic_update_index_in_dim(stacked, new, layer, 0)
 
     return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
+
+
+def _delete(arrays: list) -> None:
+    for x in arrays:
+        x.delete()
 
 
 def _wait(pending) -> None:
