@@ -57,6 +57,15 @@ VARIANTS = [
         [*OPT, *IN_FLIGHT_8, "--config.offload.cpu_update=0.4"],
         None,
     ),
+    *(
+        (
+            f"llama_1b optimizer, device update, {n} in flight",
+            "llama_1b",
+            [*DEVICE_UPDATE, f"--config.offload.chunks_in_flight={n}"],
+            None,
+        )
+        for n in (32, 64)
+    ),
     (
         "llama_1b optimizer, device update, all in flight",
         "llama_1b",

@@ -808,6 +808,18 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     leaving = list(update._leaving)
     assert len(update.groups) > 4 and len(leaving) == 4 - 2 + 1
     assert not any(x.is_deleted() for _, outs, old in leaving for x in [*outs, *old])
+    # The next step's prefetch leaves a group whose copies home are not done.
+    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
+    first = update._moved(
+        update.groups[0], [update._leaves(k, masters, states) for k in update.groups[0]]
+    )
+    done.difference_update(id(x) for x in first)
+    assert list(update.prefetch(masters, states)) == [1]
+    done.update(id(x) for x in first)
+    done.update(id(x) for x in leaving[1][0])  # Copies done out of order: that group goes.
+    update._delete_ready()
+    assert list(update._leaving) == [leaving[0], leaving[2]]
+    assert all(x.is_deleted() for x in leaving[1][1]) and not leaving[0][1][0].is_deleted()
     for home, _, _ in leaving:  # Their copies home are done: the next step deletes them.
         done.update(id(x) for x in home)
     state, _ = exp.train_step(state, exp.global_batch(batches[1]))
