@@ -138,10 +138,11 @@ def communication(events: list[dict], dma: bool = False) -> dict:
 _HOST_MARKS = ("Wait", "Execute (", "CopyToMemorySpace", "cuMemHostAlloc", "block_until_ready")
 
 
-def timeline(trace: dict, min_host_ms: float = 1.0) -> list[str]:
+def timeline(trace: dict, min_host_ms: float = 1.0, every_host_event: bool = False) -> list[str]:
     """The trace as a condensed time line, one line per run of work: each GPU stream's
     consecutive kernels of one program (compute stream) or copies of one direction (copy
-    streams) merged, and the host's blocking events longer than `min_host_ms`. Shows what
+    streams) merged, and the host's blocking events (or with `every_host_event` all its events:
+    Python calls too, when traced) longer than `min_host_ms`. Shows what
     waits for what: a program that starts only when a host call returns, copies queued
     behind a program, the host thread stuck in an allocation."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -177,7 +178,8 @@ def timeline(trace: dict, min_host_ms: float = 1.0) -> list[str]:
     for e in events:
         if e.get("ph") != "X" or "GPU" in procs.get(e["pid"], ""):
             continue
-        if e["dur"] >= min_host_ms * 1e3 and any(m in e["name"] for m in _HOST_MARKS):
+        marked = every_host_event or any(m in e["name"] for m in _HOST_MARKS)
+        if e["dur"] >= min_host_ms * 1e3 and marked:
             thread = threads.get((e["pid"], e.get("tid")), "")
             detail = e.get("args", {}).get("memalloc_details", "")
             rows.append((e["ts"], e["ts"] + e["dur"], f"host {thread}", f"{e['name']} {detail}"))
@@ -283,6 +285,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--warmup", type=int, default=3, help="untraced steps before them")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument(
+        "--host-trace",
+        action="store_true",
+        help="trace Python calls too; the timeline lists every host event of 0.5 ms or more",
+    )
     p.add_argument("--out", default=str(ROOT / "experiments/results/profile_llama_1b.json"))
     p.add_argument("overrides", nargs="*", help="config overrides, after --")
     a = p.parse_args()
@@ -305,7 +312,10 @@ def main() -> int:
         state, metrics = train_step(state, exp.global_batch(next(batches)))
     jax.block_until_ready(state)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="angel_profile_"))
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    options = jax.profiler.ProfileOptions()
+    if a.host_trace:
+        options.python_tracer_level, options.host_tracer_level = 1, 2
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=options):
         start = time.perf_counter()
         for _ in range(a.steps):
             state, metrics = train_step(state, exp.global_batch(next(batches)))
@@ -331,7 +341,8 @@ def main() -> int:
         f.write(hlo_text)
     shutil.copy(trace_file, out.with_suffix(".trace.json.gz"))
     with gzip.open(trace_file) as f:
-        out.with_suffix(".timeline.txt").write_text("\n".join(timeline(json.load(f))) + "\n")
+        lines = timeline(json.load(f), *((0.5, True) if a.host_trace else ()))
+        out.with_suffix(".timeline.txt").write_text("\n".join(lines) + "\n")
     return 0
 
 

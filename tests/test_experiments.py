@@ -62,10 +62,13 @@ def test_the_timeline_merges_runs_of_work_and_keeps_long_host_calls():
             x(1, 2, "MemcpyH2D", 90, 30),
             x(2, 7, "cuMemHostAlloc", 0, 5000, memalloc_details="31 GiB"),
             x(2, 7, "cuMemHostAlloc", 0, 10),  # Under min_host_ms: left out.
+            x(2, 7, "$stream.py:233 __call__", 0, 3000),  # A Python call: with every event.
         ]
     }
     lines = profile_step.timeline(trace, min_host_ms=1.0)
     assert len(lines) == 4, lines
+    every = profile_step.timeline(trace, min_host_ms=1.0, every_host_event=True)
+    assert len(every) == 5 and any("stream.py:233 __call__" in line for line in every), every
 
     def duration_ms(what):
         return float(next(line for line in lines if what in line).split()[2])

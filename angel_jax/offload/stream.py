@@ -198,6 +198,7 @@ class StreamedUpdate:
         update still running) is left to `__call__`: on the GPU the step dispatched after a
         copy from an array not yet written waited for that array (H200 profile, 2026-12-03:
         the grad step's dispatch waited 65 ms, until the last copies home were done)."""
+        self._delete_ready()  # The groups home leave the device before more come.
         first = range(min(self.ahead, len(self.groups)))
         return {g: self._fetch(g, masters, states) for g in first if self._home(g, masters, states)}
 
