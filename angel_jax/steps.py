@@ -167,6 +167,7 @@ class OffloadedStep(_Step):
         for _, done in self.pending[2] if self.pending else []:
             done.result()
         self.pending = None
+        self.exp.streamed_update.drain()  # The old state's copies home, before it goes.
 
     def _flat(self, tree) -> list:
         """`tree` as the streamed update's flat list over the params' leaves."""

@@ -213,6 +213,15 @@ BREAKS = [
             "tests/test_offload.py::test_buffers_copies_read_are_deleted_only_when_the_copies_are_done"
         ],
     ),
+    (
+        "last update's groups not counted in flight",
+        "angel_jax/offload/stream.py",
+        "while self._leaving and (",
+        "while False and self._leaving and (",
+        [
+            "tests/test_offload.py::test_buffers_copies_read_are_deleted_only_when_the_copies_are_done"
+        ],
+    ),
 ]
 
 

@@ -799,31 +799,40 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     config = small_config(offload__policy="optimizer", offload__chunks_in_flight=4)
     exp = build(config, make_mesh(config.mesh))
     update = exp.streamed_update
-    done, block = set(), ArrayImpl.block_until_ready
-    monkeypatch.setattr(ArrayImpl, "is_ready", lambda x: id(x) in done)
-    monkeypatch.setattr(ArrayImpl, "block_until_ready", lambda x: done.add(id(x)) or block(x))
+    done, block = {}, ArrayImpl.block_until_ready  # id -> array: held, so ids stay unique.
+    finish = lambda arrays: done.update((id(x), x) for x in arrays)
+    monkeypatch.setattr(ArrayImpl, "is_ready", lambda x: done.get(id(x)) is x)
+    monkeypatch.setattr(ArrayImpl, "block_until_ready", lambda x: finish([x]) or block(x))
     state = exp.init_state()
     batches = make_batches(config)
     state, _ = exp.train_step(state, exp.global_batch(batches[0]))
     leaving = list(update._leaving)
-    assert len(update.groups) > 4 and len(leaving) == 4 - 2 + 1
-    assert not any(x.is_deleted() for _, outs, old in leaving for x in [*outs, *old])
+    assert len(update.groups) >= 6 and len(leaving) == 4 - 2 + 1
+    assert not any(x.is_deleted() for _, outs, old, _ in leaving for x in [*outs, *old])
     # The next step's prefetch leaves a group whose copies home are not done.
     masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
     first = update._moved(
         update.groups[0], [update._leaves(k, masters, states) for k in update.groups[0]]
     )
-    done.difference_update(id(x) for x in first)
+    for x in first:
+        del done[id(x)]
     assert list(update.prefetch(masters, states)) == [1]
-    done.update(id(x) for x in first)
-    done.update(id(x) for x in leaving[1][0])  # Copies done out of order: that group goes.
+    finish(first)
+    old = list(leaving[2][2])
+    finish(leaving[2][1])  # Its update has run, its copies home have not: the old copies go.
+    finish(leaving[1][0])  # Copies home done out of order: that group goes.
     update._delete_ready()
     assert list(update._leaving) == [leaving[0], leaving[2]]
-    assert all(x.is_deleted() for x in leaving[1][1]) and not leaving[0][1][0].is_deleted()
-    for home, _, _ in leaving:  # Their copies home are done: the next step deletes them.
-        done.update(id(x) for x in home)
+    assert all(x.is_deleted() for x in [*leaving[1][1], *old])
+    assert not any(x.is_deleted() for x in [*leaving[0][1], *leaving[0][2], *leaving[2][1]])
+    for home, *_ in leaving:  # Their copies home are done: the next step deletes them.
+        finish(home)
     state, _ = exp.train_step(state, exp.global_batch(batches[1]))
-    assert all(x.is_deleted() for _, outs, old in leaving for x in [*outs, *old])
+    assert all(x.is_deleted() for _, outs, old, _ in leaving for x in [*outs, *old])
+    # A step after one whose last groups are not home: those count against the bound.
+    update.most_in_flight = 0
+    state, _ = exp.train_step(state, exp.global_batch(batches[2]))
+    assert 0 < update.most_in_flight <= 4 + 1  # The planner counts in_flight + 1.
 
 
 @gpu

@@ -173,7 +173,7 @@ class StreamedUpdate:
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
         # Per group on its way home, in update order: [its host copies, its device outputs,
-        # the caller's old host copies], deleted by `_delete_ready`.
+        # the caller's old host copies, the group], deleted by `_delete_ready`.
         self._leaving = collections.deque()
         # Per chunk, its leaves [master, *state] flat: the ones to move between tiers, with
         # their shardings on the device and at home. Built once: the loop is Python-bound
@@ -269,7 +269,7 @@ class StreamedUpdate:
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
-        fetched = dict(fetched or self.prefetch(masters, states))
+        fetched = dict(self.prefetch(masters, states) if fetched is None else fetched)
         for g in range(min(self.ahead, len(groups))):  # Those `prefetch` left.
             if g not in fetched:
                 fetched[g] = self._fetch(g, masters, states)
@@ -287,7 +287,7 @@ class StreamedUpdate:
                 tree[c.weight][c.layer] = value
 
         home = []  # Per group: what to wait on before its device buffers are free.
-        leaving = set()  # Groups updated and maybe not yet home.
+        leaving = set()  # Disk tier groups updated and maybe not yet written.
         for g, ks in enumerate(groups):
             group = [chunks[k] for k in ks]
             if group[0].tier == SSD:
@@ -317,6 +317,7 @@ class StreamedUpdate:
             ]
             if group[0].tier == SSD:
                 home.append(self.ssd.put(group[0], new_masters[0], new_states[0]))
+                leaving.add(g)
             else:
                 device_outs = self._moved(ks, outs)
                 outs = self._move(ks, outs, to_device=False)
@@ -324,8 +325,8 @@ class StreamedUpdate:
                     put(masters, c, x[0])
                     put(states, c, self._moves[k][0].unflatten(x[1:]))
                 home.append(outs)
-                self._leaving.append([self._moved(ks, outs), device_outs, old])
-            leaving.add(g)
+                if device_outs:  # A group resident on the device has nothing on its way.
+                    self._leaving.append([self._moved(ks, outs), device_outs, old, g])
             nxt = g + self.ahead
             if nxt < n:
                 if nxt - self.in_flight >= 0:
@@ -333,9 +334,15 @@ class StreamedUpdate:
                     home[nxt - self.in_flight] = None
                     leaving.discard(nxt - self.in_flight)
                     self._delete_ready()
+                # Groups of the last update still on their way home count too.
+                while self._leaving and (
+                    len(self._leaving) + len(leaving) + len(fetched) >= self.in_flight
+                ):
+                    self._send_off(self._leaving.popleft())
                 fetched[nxt] = self._fetch(nxt, masters, states)
-            # Fetched and not yet updated, or updated and maybe not yet home.
-            on_device = [*fetched, *leaving]
+            # Fetched and not yet updated, or updated and maybe not yet home (from the disk
+            # tier's groups, or any group's device outputs).
+            on_device = [*fetched, *leaving, *(e[3] for e in self._leaving)]
             self.most_in_flight = max(self.most_in_flight, len(on_device))
             self.most_bytes_in_flight = max(
                 self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
@@ -344,9 +351,7 @@ class StreamedUpdate:
         # Groups on their way home stay on the device beside the next step, as many as the
         # planner counts (`planner._in_flight_bytes`); older ones are waited for.
         while len(self._leaving) > self.in_flight - self.ahead + 1:
-            home, device_outs, old = self._leaving.popleft()
-            _wait([x for x in home if not x.is_deleted()])
-            _delete([*old, *device_outs])
+            self._send_off(self._leaving.popleft())
         start = time.perf_counter()
         for c, new in on_cpu:
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
@@ -367,14 +372,30 @@ class StreamedUpdate:
         the update's copies home)."""
         # A ready array may be deleted since (the next update read and deleted it).
         ready = lambda xs: all(x.is_deleted() or x.is_ready() for x in xs)
-        for entry in list(self._leaving):
-            home, device_outs, old = entry
+        still = collections.deque()
+        for entry in self._leaving:
+            home, device_outs, old, _ = entry
             if old and ready(device_outs):
                 _delete(old)
                 entry[2] = []
             if ready(home):
                 _delete([*entry[2], *device_outs])
-                self._leaving = collections.deque(e for e in self._leaving if e is not entry)
+            else:
+                still.append(entry)
+        self._leaving = still
+
+    @staticmethod
+    def _send_off(entry: list) -> None:
+        """Waits for a `_leaving` group's copies home, then deletes what they read."""
+        home, device_outs, old, _ = entry
+        _wait([x for x in home if not x.is_deleted()])
+        _delete([*old, *device_outs])
+
+    def drain(self) -> None:
+        """Waits for every group on its way home and deletes what its copies read (before
+        the state is replaced, e.g. restored after a rollback)."""
+        while self._leaving:
+            self._send_off(self._leaving.popleft())
 
     def start_on_cpu(self, grads: list, scale, compute: list) -> list:
         """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
