@@ -150,9 +150,9 @@ class StreamedUpdate:
     The copies are runtime transfers, not copies inside one program: XLA runs one program's
     host->device and device->host copies one after the other (on the H200 the in-jit update
     took the sum of both directions' copy times), while the runtime uses one stream for each
-    direction. Group k + `in_flight` // 2 is fetched while
-    group k is updated, once group k + `in_flight` // 2 - `in_flight` is home, so the device
-    holds at most `in_flight` groups (plus their outputs being copied back).
+    direction. Group k + `in_flight` // 2 is fetched while group k is updated, once the
+    oldest groups on their way home (this update's or the last one's) are home, so that the
+    device holds at most `in_flight` groups, fetched or on their way home.
 
     The runtime starts a copy only after the device work queued before it, and runs it beside
     the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
@@ -172,8 +172,8 @@ class StreamedUpdate:
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
-        # Per group on its way home, in update order: [its host copies, its device outputs,
-        # the caller's old host copies, the group], deleted by `_delete_ready`.
+        # Per group on its way home, in update order: [its host copies (or SSD writes), its
+        # device outputs, the caller's old host copies, the group], deleted by `_delete_ready`.
         self._leaving = collections.deque()
         # Per chunk, its leaves [master, *state] flat: the ones to move between tiers, with
         # their shardings on the device and at home. Built once: the loop is Python-bound
@@ -286,8 +286,6 @@ class StreamedUpdate:
             else:
                 tree[c.weight][c.layer] = value
 
-        home = []  # Per group: what to wait on before its device buffers are free.
-        leaving = set()  # Disk tier groups updated and maybe not yet written.
         for g, ks in enumerate(groups):
             group = [chunks[k] for k in ks]
             if group[0].tier == SSD:
@@ -315,34 +313,26 @@ class StreamedUpdate:
             outs = [
                 [m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)
             ]
-            if group[0].tier == SSD:
-                home.append(self.ssd.put(group[0], new_masters[0], new_states[0]))
-                leaving.add(g)
+            if group[0].tier == SSD:  # The writes hold the device outputs until written.
+                writes = list(self.ssd.put(group[0], new_masters[0], new_states[0]))
+                self._leaving.append([writes, [], [], g])
             else:
                 device_outs = self._moved(ks, outs)
                 outs = self._move(ks, outs, to_device=False)
                 for k, c, x in zip(ks, group, outs, strict=True):
                     put(masters, c, x[0])
                     put(states, c, self._moves[k][0].unflatten(x[1:]))
-                home.append(outs)
                 if device_outs:  # A group resident on the device has nothing on its way.
                     self._leaving.append([self._moved(ks, outs), device_outs, old, g])
             nxt = g + self.ahead
             if nxt < n:
-                if nxt - self.in_flight >= 0:
-                    _wait(home[nxt - self.in_flight])
-                    home[nxt - self.in_flight] = None
-                    leaving.discard(nxt - self.in_flight)
-                    self._delete_ready()
-                # Groups of the last update still on their way home count too.
-                while self._leaving and (
-                    len(self._leaving) + len(leaving) + len(fetched) >= self.in_flight
-                ):
+                # Groups on their way home (this update's, or the last one's) and fetched
+                # ones: at most `in_flight`, the oldest waited for (not those found home
+                # meanwhile: the schedule does not depend on the copies' timing).
+                while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:
                     self._send_off(self._leaving.popleft())
                 fetched[nxt] = self._fetch(nxt, masters, states)
-            # Fetched and not yet updated, or updated and maybe not yet home (from the disk
-            # tier's groups, or any group's device outputs).
-            on_device = [*fetched, *leaving, *(e[3] for e in self._leaving)]
+            on_device = [*fetched, *(e[3] for e in self._leaving)]
             self.most_in_flight = max(self.most_in_flight, len(on_device))
             self.most_bytes_in_flight = max(
                 self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
@@ -370,8 +360,7 @@ class StreamedUpdate:
         program, a grad step or an update, would start only when the copies queued so far
         are done (H200 profile, 2026-12-03: the grad step's first kernel waited 60-105 ms for
         the update's copies home)."""
-        # A ready array may be deleted since (the next update read and deleted it).
-        ready = lambda xs: all(x.is_deleted() or x.is_ready() for x in xs)
+        ready = lambda xs: all(_done(x) for x in xs)
         still = collections.deque()
         for entry in self._leaving:
             home, device_outs, old, _ = entry
@@ -388,7 +377,7 @@ class StreamedUpdate:
     def _send_off(entry: list) -> None:
         """Waits for a `_leaving` group's copies home, then deletes what they read."""
         home, device_outs, old, _ = entry
-        _wait([x for x in home if not x.is_deleted()])
+        _wait([x for x in home if isinstance(x, futures.Future) or not x.is_deleted()])
         _delete([*old, *device_outs])
 
     def drain(self) -> None:
@@ -507,6 +496,14 @@ def _set_layer(sharding):
         return jax.lax.dynamic_update_index_in_dim(stacked, new, layer, 0)
 
     return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
+
+
+def _done(x) -> bool:
+    """Whether an SSD write is done, or an array ready; a ready array may be deleted since
+    (the next update read and deleted it)."""
+    if isinstance(x, futures.Future):
+        return x.done()
+    return x.is_deleted() or x.is_ready()
 
 
 def _delete(arrays: list) -> None:
