@@ -146,7 +146,14 @@ def make_state_layout(
             ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
         on_cpu = [c for c in chunks if c.tier == CPU]
         cpu = CPUTier(optimizer, on_cpu, jnp.dtype(config.model.dtype)) if on_cpu else None
-        update = StreamedUpdate(optimizer, chunks, config.offload.chunks_in_flight, ssd, cpu)
+        update = StreamedUpdate(
+            optimizer,
+            chunks,
+            config.offload.chunks_in_flight,
+            ssd,
+            cpu,
+            beside_step=plan.copies_beside_step,
+        )
     powersgd = abstract_comm = comm_sharding = None
     if config.train.powersgd_rank:
         powersgd = PowerSGD(config.train.powersgd_rank)

@@ -202,12 +202,14 @@ class Experiment:
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = True) -> Experiment:
     """The experiment `config` describes on `mesh`. A plan that keeps optimizer chunks resident
-    on the device (policy auto) fills the room the activation estimate leaves; with
-    `fit_compiled`, the step is compiled here and, if its temporaries exceed the estimate, the
-    plan is made again with what they took (fewer resident chunks) before anything is
-    allocated. Otherwise the first use of the step compiles it and refuses a plan it overruns."""
+    on the device (policy auto), or the update's groups beside the step, fills room the
+    activation estimate leaves; with `fit_compiled`, the step is compiled here and, if its
+    temporaries exceed the estimate, the plan is made again with what they took (fewer
+    resident chunks, or none beside the step) before anything is allocated. Otherwise the
+    first use of the step compiles it and refuses a plan it overruns."""
     exp = _build(config, mesh)
-    if not (fit_compiled and exp.plan.resident and exp.steps.checks_compiled):
+    gives_back = exp.plan.resident or exp.plan.state_bytes.get("chunks beside the step")
+    if not (fit_compiled and gives_back and exp.steps.checks_compiled):
         return exp
     try:
         _ = exp.steps.grad_step  # Compiles and checks the step; train_step reuses it.
@@ -216,7 +218,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
         extra = e.beyond_estimate
     print(
         f"the compiled step's temporaries took {extra / 2**30:.1f} GiB more than the plan's "
-        "activation estimate: planned again with them, fewer chunks resident on the device",
+        "activation estimate: planned again with them (fewer chunks resident on the device, or "
+        "none of the update's beside the step)",
         file=sys.stderr,
     )
     return _build(config, mesh, extra)

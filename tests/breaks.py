@@ -214,6 +214,23 @@ BREAKS = [
         ],
     ),
     (
+        "chunks beside the step counted as the update's",
+        "angel_jax/offload/planner.py",
+        ('"layers in flight", "chunks beside the step")', 'UPDATE_ONLY = ("update chunks",)'),
+        ('"layers in flight")', 'UPDATE_ONLY = ("update chunks", "chunks beside the step")'),
+        [
+            "tests/test_offload.py::test_the_steps_activations_and_the_updates_chunks_are_not_counted_together",
+            "tests/test_offload.py::test_the_updates_groups_beside_the_step_are_the_plans",
+        ],
+    ),
+    (
+        "groups beside the step without room for them",
+        "angel_jax/offload/stream.py",
+        "        if not self.beside_step:\n            return {}\n",
+        "",
+        ["tests/test_offload.py::test_the_updates_groups_beside_the_step_are_the_plans"],
+    ),
+    (
         "last update's groups not counted in flight",
         "angel_jax/offload/stream.py",
         "while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:",

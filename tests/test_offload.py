@@ -658,7 +658,8 @@ def test_compiled_step_that_outgrows_the_plan_is_refused_before_allocating():
     planner's activation estimate in the device total."""
     overrides = ["--config.offload.policy=optimizer", "--config.offload.device_gib=32"]
     plan = build(*llama_1b(*overrides, "--config.offload.activations=device")).plan
-    states = plan.state_bytes["compute params"] + plan.state_bytes["grads"]
+    b = plan.state_bytes
+    states = b["compute params"] + b["grads"] + b["chunks beside the step"]
     room = 0.95 * 32 * 2**30 - states  # For the temporaries (above the update's chunks here).
     check_compiled(plan, types.SimpleNamespace(temp_size_in_bytes=int(room) - 1))
     with pytest.raises(
@@ -669,18 +670,69 @@ def test_compiled_step_that_outgrows_the_plan_is_refused_before_allocating():
 
 def test_the_steps_activations_and_the_updates_chunks_are_not_counted_together():
     """The streamed update runs after the step has freed its activations: the device's peak
-    is the lasting states plus the larger of the two (on an H200 the 8B step peaked at 80 GiB
-    where their sum planned 105)."""
+    is the lasting states plus the larger of the step's (activations, with the update's
+    groups beside it) and the update's chunks (on an H200 the 8B step peaked at 80 GiB where
+    their sum planned 105)."""
     overrides = ["--config.offload.policy=optimizer", "--config.offload.device_gib=32"]
     plan = build(*llama_1b(*overrides, "--config.offload.activations=device")).plan
     b = plan.state_bytes
     lasting = b["compute params"] + b["grads"]
-    assert b["activations"] + b["layer inputs"] > b["update chunks"] > 0
-    assert plan.tier_bytes(DEVICE) == lasting + b["activations"] + b["layer inputs"]
+    step = b["activations"] + b["layer inputs"] + b["chunks beside the step"]
+    assert step > b["update chunks"] > b["chunks beside the step"] > 0
+    assert plan.tier_bytes(DEVICE) == lasting + step
     short_step = {**b, "activations": b["update chunks"] // 4, "layer inputs": 0}
     short_step = dataclasses.replace(plan, state_bytes=short_step)
     assert short_step.tier_bytes(DEVICE) == lasting + b["update chunks"]
-    assert "a peak counts the step's activations or the update's chunks" in plan.table()
+    assert "a peak counts the step's activations, with the update's groups" in plan.table()
+
+
+def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
+    """The groups the update holds on the device while the step runs (fetched before it, and
+    the last update's on their way home) are the ones the planner counts beside the step's
+    activations (on the H200, llama_1b with every chunk in flight peaked at 33.1 GiB where the
+    plan, counting them as the update's alone, said 28.7). Without room for them beside the
+    step the plan switches them off, and the update then ends with its copies home."""
+    from jax._src.array import ArrayImpl
+
+    config = small_config(offload__policy="optimizer", offload__chunks_in_flight=4)
+    exp = build(config, make_mesh(config.mesh))
+    plan, update = exp.plan, exp.streamed_update
+    tiers = [c.tier for c in update.chunks]
+    fetched, leaving = planner.beside_step_groups(tiers, update.groups, 4)
+    assert plan.copies_beside_step and fetched == [0, 1] and len(leaving) == 3
+    beside = plan.state_bytes["chunks beside the step"]
+    assert beside == sum(update.group_bytes[g] for g in {*fetched, *leaving})
+    done = {}  # id -> array: held, so ids stay unique. Copies are done when waited for.
+    block = ArrayImpl.block_until_ready
+    monkeypatch.setattr(ArrayImpl, "is_ready", lambda x: done.get(id(x)) is x)
+    monkeypatch.setattr(
+        ArrayImpl, "block_until_ready", lambda x: done.update({id(x): x}) or block(x)
+    )
+    state = exp.init_state()
+    batches = make_batches(config)
+    state, _ = exp.train_step(state, exp.global_batch(batches[0]))
+    assert [e[3] for e in update._leaving] == leaving
+    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
+    for entry in update._leaving:  # Home now: the next step's prefetch may fetch them.
+        done.update((id(x), x) for x in entry[0])
+    assert list(update.prefetch(masters, states)) == fetched
+    update.drain()
+
+    # A device with room for the step but not for the groups beside it.
+    room = plan.budget[DEVICE] * planner.USABLE - plan.tier_bytes(DEVICE) + beside // 2
+    gib = (plan.budget[DEVICE] - room / planner.USABLE) / 2**30
+    config = small_config(
+        offload__policy="optimizer", offload__chunks_in_flight=4, offload__device_gib=gib
+    )
+    exp = build(config, make_mesh(config.mesh))
+    plan, update = exp.plan, exp.streamed_update
+    assert not plan.copies_beside_step and plan.state_bytes["chunks beside the step"] == 0
+    assert plan.fits() and "no room beside the step" in plan.table()
+    state = exp.init_state()
+    state, _ = exp.train_step(state, exp.global_batch(batches[0]))
+    assert not update._leaving
+    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
+    assert update.prefetch(masters, states) == {}
 
 
 def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
@@ -793,7 +845,7 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     still reads it makes the compute stream wait for the copies (the next grad step waited
     60-105 ms for the update's copies home on the H200). Here no copy is done until waited
     for: after a step the last groups' outputs are all still there, as many as the planner
-    counts leaving (`planner._in_flight_bytes`), and they go once their copies are done."""
+    counts leaving (`planner.beside_step_groups`), and they go once their copies are done."""
     from jax._src.array import ArrayImpl
 
     config = small_config(offload__policy="optimizer", offload__chunks_in_flight=4)

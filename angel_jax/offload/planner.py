@@ -55,8 +55,13 @@ ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # States alive only during the jitted forward/backward, and only during the streamed update
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
 # 8B step peaked at 80 GiB where their sum planned 105).
-STEP_ONLY = (*ACTIVATIONS, "layers in flight")
+STEP_ONLY = (*ACTIVATIONS, "layers in flight", "chunks beside the step")
 UPDATE_ONLY = ("update chunks",)
+# The streamed update's groups: a group's program holds each of its chunks' update unrolled
+# (this bounds its compile time), and past this many bytes a group's copies (5 ms at the H200's
+# 50 GB/s) outweigh the runtime calls that grouping saves (about 1.2 ms a chunk).
+MOST_CHUNKS_A_GROUP = 64
+MOST_BYTES_A_GROUP = 256 * 2**20
 # A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
 WORKING_WIDTHS = (8, 6)
 
@@ -75,6 +80,10 @@ class Plan:
     on_ssd: frozenset = frozenset()  # Update chunks whose master and state live on disk.
     on_cpu: frozenset = frozenset()  # Update chunks the host's cores update (hybrid update).
     cpu_note: str = ""  # The hybrid update's share, for the plan's table.
+    # The update's first groups are fetched before the step and its last ones go home beside
+    # the next step (`StreamedUpdate.prefetch`); off when the device has no room for them
+    # beside the step's activations: the update then ends with its copies home.
+    copies_beside_step: bool = True
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
@@ -109,10 +118,14 @@ class Plan:
     def bytes_per_param(self) -> float:
         """Device + host memory of the model states (not activations), over all devices, per
         trained parameter: AngelPTM's density measure (17.3 for ZeRO-Cache)."""
-        states = sum(
-            b
-            for s, b in self.state_bytes.items()
-            if s not in ACTIVATIONS and self.placement[s] != SSD
+        b = self.state_bytes
+        # The update's chunks on the device at their most: beside the step, or in the update.
+        transient = max(b.get("chunks beside the step", 0), b.get("update chunks", 0))
+        states = transient + sum(
+            nbytes
+            for s, nbytes in b.items()
+            if s not in (*ACTIVATIONS, *UPDATE_ONLY, "chunks beside the step")
+            and self.placement[s] != SSD
         )
         return states * self.num_devices / self.num_params
 
@@ -127,7 +140,13 @@ class Plan:
             lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
         if "update chunks" in self.state_bytes:
             lines.append(
-                "  (a peak counts the step's activations or the update's chunks, the larger)"
+                "  (a peak counts the step's activations, with the update's groups beside it, "
+                "or the update's chunks, the larger)"
+            )
+        if self.offloads_optimizer and not self.copies_beside_step:
+            lines.append(
+                "  no room beside the step for the update's groups: the update waits for its "
+                "copies home, and fetches none before the step"
             )
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
@@ -348,15 +367,103 @@ def _chunks(
     return out
 
 
-def _in_flight_bytes(abstract_params, opt_abstract, stacked, in_flight: int) -> int:
-    """Bytes of the chunks (each one weight, or one layer's slice of a stacked weight, with
-    its optimizer state) the streamed update may hold on the device at once: the
-    `in_flight` // 2 fetched ahead (before the step, by `StreamedUpdate.prefetch`) and the rest
-    on their way home (from the last update, one more leaving), the largest of each; with
-    fewer chunks than that a chunk can be both."""
-    sizes = sorted(m + s for _, m, s in _chunks(abstract_params, opt_abstract, stacked))
+def flight(in_flight: int) -> tuple[int, int]:
+    """(groups fetched ahead, groups left on their way home after an update) of the streamed
+    update with `in_flight` groups on the device: the first are fetched before the step that
+    makes their grads, the others go home beside the next step."""
     ahead = max(1, in_flight // 2)
-    return sum(sizes[-ahead:]) + sum(sizes[-(in_flight - ahead + 1) :])
+    return ahead, in_flight - ahead + 1
+
+
+def _in_flight_bytes(chunks, in_flight: int) -> int:
+    """Bytes the streamed update may hold on the device at once (`StreamedUpdate`): the
+    `flight` groups ahead and leaving, each no larger than the largest chunks (each one
+    weight, or one layer's slice of a weight, with its optimizer state); with fewer chunks
+    than that a chunk can be both. `chunks`: `_chunks`'."""
+    sizes = sorted(m + s for _, m, s in chunks)
+    ahead, leaving = flight(in_flight)
+    return sum(sizes[-ahead:]) + sum(sizes[-leaving:])
+
+
+def group_chunks(sizes: list[int], tiers: list[str], in_flight: int) -> list[list[int]]:
+    """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier,
+    each group of at most `MOST_CHUNKS_A_GROUP` chunks and `MOST_BYTES_A_GROUP` bytes (a
+    larger chunk is a group of its own), and of at most the bytes of the smallest of the
+    largest chunks `_in_flight_bytes` counts (the larger of its ahead and leaving), so that any
+    such number of groups holds no more than that many of the largest chunks. SSD chunks stay
+    alone (their reads and writes are per chunk)."""
+    if not sizes:
+        return []
+    counted = max(flight(in_flight))
+    # With every chunk counted (all in flight) the bound is the whole state.
+    cap = sorted(sizes)[-counted] if counted < len(sizes) else sum(sizes)
+    cap = min(cap, MOST_BYTES_A_GROUP)
+    groups, total = [], 0
+    for k, (tier, size) in enumerate(zip(tiers, sizes, strict=True)):
+        joins = (
+            groups
+            and tier != SSD
+            and tiers[groups[-1][-1]] == tier
+            and len(groups[-1]) < MOST_CHUNKS_A_GROUP
+            and total + size <= cap
+        )
+        if joins:
+            groups[-1].append(k)
+            total += size
+        else:
+            groups.append([k])
+            total = size
+    return groups
+
+
+def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int):
+    """(groups fetched before the step, groups still on their way home from the last update)
+    of the streamed update, which hold device memory beside the step's activations: of the
+    first `flight` ahead groups those in host memory (an SSD group is read into host memory,
+    a resident one does not move), and the last `flight` leaving groups that move."""
+    ahead, leaving = flight(in_flight)
+    tier = [tiers[ks[0]] for ks in groups]
+    fetched = [g for g in range(min(ahead, len(groups))) if tier[g] == HOST]
+    moved = [g for g in range(len(groups)) if tier[g] != DEVICE]
+    return fetched, moved[-leaving:]
+
+
+def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
+    """`plan` (with none resident yet, or fewer) with update chunks `resident` on the device."""
+    state_bytes, placement = dict(plan.state_bytes), dict(plan.placement)
+    moved = [(m, s) for key, m, s in chunks if key in resident - plan.resident]
+    for name, nbytes in (("master params", 0), ("optimizer state", 1)):
+        state_bytes[name] -= sum(x[nbytes] for x in moved)
+    state_bytes["resident chunks"] = state_bytes.get("resident chunks", 0) + sum(
+        m + s for m, s in moved
+    )
+    placement["resident chunks"] = DEVICE
+    return dataclasses.replace(
+        plan, state_bytes=state_bytes, placement=placement, resident=frozenset(resident)
+    )
+
+
+def _with_step_chunks(plan: Plan, chunks, in_flight: int) -> Plan:
+    """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
+    its chunks `chunks` in the update's order), or, when the device has no room for them,
+    with `copies_beside_step` off."""
+    if not plan.offloads_optimizer:
+        return plan
+    updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
+    tiers = [plan.chunk_tier(*key) for key, _ in updated]
+    sizes = [size for _, size in updated]
+    groups = group_chunks(sizes, tiers, in_flight)
+    fetched, leaving = beside_step_groups(tiers, groups, in_flight)
+    beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
+    state_bytes = {**plan.state_bytes, "chunks beside the step": beside}
+    placement = {**plan.placement, "chunks beside the step": DEVICE}
+    with_them = dataclasses.replace(
+        plan, state_bytes=state_bytes, placement=placement, copies_beside_step=True
+    )
+    if with_them.tier_bytes(DEVICE) <= USABLE * plan.budget[DEVICE] or not beside:
+        return with_them
+    state_bytes["chunks beside the step"] = 0
+    return dataclasses.replace(with_them, state_bytes=state_bytes, copies_beside_step=False)
 
 
 def make_plan(
@@ -392,6 +499,8 @@ def make_plan(
     activations["activations"] += extra_activations
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
+    chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
+    in_flight = config.offload.chunks_in_flight
 
     def sizes(name: str) -> dict[str, int]:
         if name == "none":  # float32 masters are the compute params; float32 grads.
@@ -406,13 +515,12 @@ def make_plan(
         layer_params, other_params = _split_bytes(params, stacked, compute_dtype)
         f32_grads = _split_bytes(grads, stacked)
         layer_grads, other_grads = (int(b * grad_bytes) for b in f32_grads)
-        chunks = _in_flight_bytes(offloaded_masters, opt, stacked, config.offload.chunks_in_flight)
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
             "master params": local_bytes(offloaded_masters),
             "optimizer state": local_bytes(opt),
-            "update chunks": chunks,
+            "update chunks": _in_flight_bytes(chunks, in_flight),
             **activations,
         }
         if name == "params":
@@ -455,30 +563,33 @@ def make_plan(
         on_host = host_states[name] + (("layer inputs",) if inputs == HOST else ())
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(name, placement, state_bytes, budget, num_params, mesh.size)
+        # With every chunk in host memory: the room the groups beside the step may take.
+        plan = _with_step_chunks(plan, chunks, in_flight)
         if policy != "auto" or name == "none":
             return plan
-        # Fill the device's spare room with update chunks, in the update's order.
-        spare = USABLE * budget[DEVICE] - plan.tier_bytes(DEVICE)
-        resident, masters, states = set(), 0, 0
-        for key, master, state in _chunks(offloaded_masters, opt, stacked):
-            if master + state <= spare:
-                spare -= master + state
-                resident.add(key)
-                masters, states = masters + master, states + state
-        state_bytes["master params"] -= masters
-        state_bytes["optimizer state"] -= states
-        state_bytes["resident chunks"] = masters + states
-        placement["resident chunks"] = DEVICE
-        plan = dataclasses.replace(plan, resident=frozenset(resident))
+        # Fill the device's spare room with update chunks, in the update's order; once more
+        # when the groups beside the step, as chunks became resident, shrank.
+        for _ in range(2):
+            spare = USABLE * budget[DEVICE] - plan.tier_bytes(DEVICE)
+            resident = set(plan.resident)
+            for key, master, state in chunks:
+                if key not in resident and master + state <= spare:
+                    spare -= master + state
+                    resident.add(key)
+            filled = _with_step_chunks(_with_resident(plan, resident, chunks), chunks, in_flight)
+            if plan.resident and not filled.copies_beside_step:
+                break  # The second fill would push the groups beside the step out.
+            plan = filled
+        state_bytes, placement = plan.state_bytes, plan.placement
         if SSD not in budget or name != "optimizer":  # Layer streaming keeps no SSD tier.
             return plan
         # What host memory cannot hold goes to disk, from the last chunks of the update back.
         over = plan.tier_bytes(HOST) - USABLE * budget[HOST]
         on_ssd, on_disk = set(), 0
-        for key, master, state in reversed(_chunks(offloaded_masters, opt, stacked)):
+        for key, master, state in reversed(chunks):
             if over <= 0:
                 break
-            if key not in resident:
+            if key not in plan.resident:
                 on_ssd.add(key)
                 over -= master + state
                 state_bytes["master params"] -= master
@@ -507,19 +618,21 @@ def make_plan(
                 "config.model.remat (e.g. full or dots_no_batch), not none"
             )
         names = names[:2]
-    candidates = [placed(n, tier) for n in names for tier in inputs]
+    # Those placed now, resident or on disk: the groups beside the step as they will be.
+    candidates = [
+        _with_step_chunks(placed(n, tier), chunks, in_flight) for n in names for tier in inputs
+    ]
     for plan in candidates:
         if plan.fits():
             if not plan.offloads_optimizer:
                 return plan
-            chunks = _chunks(offloaded_masters, opt, stacked)
             host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
             share, note = config.offload.cpu_update, ""
             if share < 0 and jax.process_count() > 1:
                 share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
             elif share < 0:
                 share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
-            plan = _with_cpu_update(plan, share, host)
+            plan = _with_step_chunks(_with_cpu_update(plan, share, host), chunks, in_flight)
             if note:
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))

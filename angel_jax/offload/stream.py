@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD, local_bytes
+from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD, flight, group_chunks, local_bytes
 from angel_jax.optim import Optimizer
 
 Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
@@ -158,17 +158,29 @@ class StreamedUpdate:
     the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
     165 ms program took 167 ms in all, queued after it 319). So the first `in_flight` // 2
     groups are fetched by `prefetch` before the forward/backward that makes their grads is
-    dispatched, and the last groups' copies home run beside the next one.
+    dispatched, and the last groups' copies home run beside the next one, when the plan has
+    room for them beside the step's activations (`Plan.copies_beside_step`, which counts them:
+    `planner.beside_step_groups`).
     """
 
     def __init__(
-        self, optimizer: Optimizer, chunks: list[Chunk], in_flight: int, ssd=None, cpu=None
+        self,
+        optimizer: Optimizer,
+        chunks: list[Chunk],
+        in_flight: int,
+        ssd=None,
+        cpu=None,
+        beside_step: bool = True,
     ):
         self.optimizer, self.in_flight, self.ssd, self.cpu = optimizer, in_flight, ssd, cpu
+        # Whether groups are fetched before the step and go home beside the next one (the
+        # plan's `copies_beside_step`): else the update ends with every copy home.
+        self.beside_step = beside_step
         self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
-        self.ahead = max(1, in_flight // 2)
-        self.groups = group_chunks(self.chunks, self.ahead, in_flight)
-        self.group_bytes = [sum(chunk_bytes(self.chunks[k]) for k in ks) for ks in self.groups]
+        self.ahead, self.leaving = flight(in_flight)
+        sizes = [chunk_bytes(c) for c in self.chunks]
+        self.groups = group_chunks(sizes, [c.tier for c in self.chunks], in_flight)
+        self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
@@ -199,14 +211,19 @@ class StreamedUpdate:
         copy from an array not yet written waited for that array (H200 profile, 2026-12-03:
         the grad step's dispatch waited 65 ms, until the last copies home were done)."""
         self._delete_ready()  # The groups home leave the device before more come.
+        if not self.beside_step:
+            return {}
         first = range(min(self.ahead, len(self.groups)))
         return {g: self._fetch(g, masters, states) for g in first if self._home(g, masters, states)}
 
     def _home(self, g: int, masters: list, states: list) -> bool:
-        """Whether group g's host copies are all written (an SSD group is read on threads)."""
+        """Whether group g's host copies are all written (an SSD group is read on threads)
+        and its device outputs gone (else it would be on the device twice)."""
         ks = self.groups[g]
         if self.chunks[ks[0]].tier == SSD:
             return True
+        if any(e[3] == g for e in self._leaving):
+            return False
         return all(
             x.is_ready() for x in self._moved(ks, [self._leaves(k, masters, states) for k in ks])
         )
@@ -339,8 +356,8 @@ class StreamedUpdate:
             )
         self._delete_ready()
         # Groups on their way home stay on the device beside the next step, as many as the
-        # planner counts (`planner._in_flight_bytes`); older ones are waited for.
-        while len(self._leaving) > self.in_flight - self.ahead + 1:
+        # planner counts (`planner.beside_step_groups`); older ones are waited for.
+        while len(self._leaving) > (self.leaving if self.beside_step else 0):
             self._send_off(self._leaving.popleft())
         start = time.perf_counter()
         for c, new in on_cpu:
@@ -436,40 +453,6 @@ class StreamedUpdate:
 def chunk_bytes(c: Chunk) -> int:
     """A chunk's master and optimizer state bytes on one device."""
     return local_bytes([c.master, c.state])
-
-
-# A group's program holds each of its chunks' update unrolled: this bounds its compile time.
-MOST_CHUNKS_A_GROUP = 64
-
-
-def group_chunks(chunks: list[Chunk], ahead: int, in_flight: int) -> list[list[int]]:
-    """Consecutive chunks of one tier as groups (lists of chunk indices), each of at most the
-    bytes of the smallest of the largest chunks `planner._in_flight_bytes` counts (the
-    larger of its `ahead` and `in_flight - ahead + 1`): any such number of groups then
-    holds no more than that many of the largest chunks; and at most `MOST_CHUNKS_A_GROUP`
-    chunks. SSD chunks stay alone (their reads and writes are per chunk)."""
-    if not chunks:
-        return []
-    sizes = [chunk_bytes(c) for c in chunks]
-    counted = max(ahead, in_flight - ahead + 1)
-    # With every chunk counted (all in flight) the bound is the whole state: no byte cap.
-    cap = sorted(sizes)[-counted] if counted < len(sizes) else sum(sizes)
-    groups, total = [], 0
-    for k, (c, size) in enumerate(zip(chunks, sizes, strict=True)):
-        joins = (
-            groups
-            and c.tier != SSD
-            and chunks[groups[-1][-1]].tier == c.tier
-            and len(groups[-1]) < MOST_CHUNKS_A_GROUP
-            and total + size <= cap
-        )
-        if joins:
-            groups[-1].append(k)
-            total += size
-        else:
-            groups.append([k])
-            total = size
-    return groups
 
 
 def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.Array:
