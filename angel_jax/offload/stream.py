@@ -143,9 +143,8 @@ class StreamedUpdate:
     Consecutive chunks of one tier move and update together, as a group: one copy call each
     way and one program. On the H200 each chunk cost the host about 1.2 ms of runtime calls
     (llama_1b, 201 chunks: 250 ms a step with the device idle between the updates' tiny
-    kernels, profile 2026-12-03). A group holds at most the bytes of the smallest chunk the
-    planner counts in flight (`planner._in_flight_bytes`), so any `in_flight` groups hold no
-    more than the planner's bound; a larger chunk is a group of its own.
+    kernels, profile 2026-12-03). The planner makes the groups (`planner.group_chunks`, at most
+    256 MiB each, a larger chunk alone), so its bounds are the update's own.
 
     The copies are runtime transfers, not copies inside one program: XLA runs one program's
     host->device and device->host copies one after the other (on the H200 the in-jit update
