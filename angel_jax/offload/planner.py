@@ -387,17 +387,17 @@ def _in_flight_bytes(chunks, in_flight: int) -> int:
 
 def group_chunks(sizes: list[int], tiers: list[str], in_flight: int) -> list[list[int]]:
     """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier,
-    each group of at most `MOST_CHUNKS_A_GROUP` chunks and `MOST_BYTES_A_GROUP` bytes (a
-    larger chunk is a group of its own), and of at most the bytes of the smallest of the
-    largest chunks `_in_flight_bytes` counts (the larger of its ahead and leaving), so that any
-    such number of groups holds no more than that many of the largest chunks. SSD chunks stay
-    alone (their reads and writes are per chunk)."""
+    each group of at most `MOST_CHUNKS_A_GROUP` chunks and, unless every chunk is in flight,
+    `MOST_BYTES_A_GROUP` bytes (a larger chunk is a group of its own) and the bytes of the
+    smallest of the largest chunks `_in_flight_bytes` counts (the larger of its ahead and
+    leaving), so that any such number of groups holds no more than that many of the largest
+    chunks. SSD chunks stay alone (their reads and writes are per chunk)."""
     if not sizes:
         return []
     counted = max(flight(in_flight))
-    # With every chunk counted (all in flight) the bound is the whole state.
-    cap = sorted(sizes)[-counted] if counted < len(sizes) else sum(sizes)
-    cap = min(cap, MOST_BYTES_A_GROUP)
+    # With every chunk counted (all in flight) the bound is the whole state, and every group
+    # is beside the step anyway: no byte cap.
+    cap = min(sorted(sizes)[-counted], MOST_BYTES_A_GROUP) if counted < len(sizes) else sum(sizes)
     groups, total = [], 0
     for k, (tier, size) in enumerate(zip(tiers, sizes, strict=True)):
         joins = (
