@@ -3,6 +3,8 @@ one GPU up, then the named runs at the largest count, each in its own process.
 
     python experiments/scaling.py [--gpus 1,2,4,8] [--only weak,...] [--out FILE]
     python experiments/scaling.py --cpu --gpus 1,2,4 --config configs/tiny.py  # emulated
+    python experiments/scaling.py --gpus 1,2 --only weak --zero-stage 3 \
+        --collectives "default,combined 256 MiB,pipelined"  # the weak runs per XLA setting
 
 Weak scaling efficiency at n GPUs is tokens/s(n) / (n x tokens/s(1)). At the largest count
 (`n`): `llama3_8b` with ZeRO-3 over all, tensor=2 x data, pipeline=2 x data; the MoE with
@@ -15,9 +17,11 @@ import json
 import pathlib
 import sys
 
-from throughput import ROOT, print_table, run_ours, write_results
+from throughput import COMBINE_256MIB, PIPELINED, ROOT, print_table, run_ours, write_results
 
 CONFIGS = ROOT / "configs"
+# XLA settings of the collectives for the weak runs on more than one GPU (`--collectives`).
+COLLECTIVES = {"default": "", "combined 256 MiB": COMBINE_256MIB, "pipelined": PIPELINED}
 
 
 def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
@@ -88,9 +92,18 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    weak = [r for r in results if r.get("group") == "weak" and "efficiency" in r]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r["gpus"] for r in weak], [r["efficiency"] for r in weak], "o-", label="llama_1b")
+    settings = dict.fromkeys(r.get("collectives") for r in results if r.get("group") == "weak")
+    for setting in settings:
+        weak = [
+            r
+            for r in results
+            if r.get("group") == "weak"
+            and "efficiency" in r
+            and r.get("collectives") in (setting, "default")
+        ]
+        label = "llama_1b" + ("" if setting == "default" else f", {setting}")
+        ax.plot([r["gpus"] for r in weak], [r["efficiency"] for r in weak], "o-", label=label)
     ax.axhline(0.97, color="tab:gray", ls="--", label="goal 0.97")
     ax.set_xlabel("GPUs (same batch per GPU)")
     ax.set_ylabel("weak scaling efficiency")
@@ -108,8 +121,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated: weak, or names of runs")
     p.add_argument("--cpu", action="store_true", help="emulated CPU devices")
+    p.add_argument("--zero-stage", type=int, help="config.zero_stage of the weak runs")
+    p.add_argument(
+        "--collectives",
+        default="default",
+        help=f"comma-separated settings for the weak runs past one GPU: {', '.join(COLLECTIVES)}",
+    )
     p.add_argument("--out", default=str(ROOT / "experiments/results/scaling.json"))
     a = p.parse_args()
+    a.config = str(pathlib.Path(a.config).resolve())  # The children run in the repository root.
     counts = [int(x) for x in a.gpus.split(",")]
     only = set(filter(None, a.only.split(",")))
     results = []
@@ -119,15 +139,26 @@ def main() -> int:
         print(json.dumps(result), flush=True)
         write_results(a.out, results)  # So far: a run cut short keeps what it measured.
 
+    settings = a.collectives.split(",")
+    for setting in settings:
+        if setting not in COLLECTIVES:
+            p.error(f"--collectives: {setting!r} is none of {', '.join(COLLECTIVES)}")
+    zero = [] if a.zero_stage is None else [f"--config.zero_stage={a.zero_stage}"]
     if not only or "weak" in only:
         for n in counts:
-            flags, env = devices_env(n, a.cpu)
-            overrides = [f"--config.mesh.data={n}", f"--config.train.batch_size={8 * n}"]
-            r = run_ours(a.config, overrides, a.steps, 2, flags, env)
-            one = next((x for x in results if x.get("gpus") == 1 and "tokens_per_s" in x), None)
-            if one and "tokens_per_s" in r:
-                r["efficiency"] = r["tokens_per_s"] / (n * one["tokens_per_s"])
-            record({**r, "system": f"weak data={n}", "group": "weak", "gpus": n})
+            for setting in settings if n > 1 else ["default"]:  # One GPU: no collectives.
+                flags, env = devices_env(n, a.cpu)
+                overrides = [f"--config.mesh.data={n}", f"--config.train.batch_size={8 * n}", *zero]
+                flags = f"{flags} {COLLECTIVES[setting]}".strip()
+                r = run_ours(a.config, overrides, a.steps, 2, flags, env)
+                one = next((x for x in results if x.get("gpus") == 1 and "tokens_per_s" in x), None)
+                if one and "tokens_per_s" in r:
+                    r["efficiency"] = r["tokens_per_s"] / (n * one["tokens_per_s"])
+                name = f"weak data={n}" + (f", collectives {setting}" if n > 1 else "")
+                record(
+                    {**r, "system": name, "group": "weak", "gpus": n, "collectives": setting}
+                    | {"overrides": overrides, "xla_flags": flags}
+                )
     n = max(counts)
     flags, env = devices_env(n, a.cpu)
     for name, config, overrides in named_runs(n, a.config):
@@ -138,7 +169,7 @@ def main() -> int:
     print_table(results)
     for r in results:
         if "efficiency" in r:
-            print(f"weak scaling at {r['gpus']} GPUs: {r['efficiency']:.3f}")
+            print(f"{r['system']}: weak scaling efficiency {r['efficiency']:.3f}")
     plot(results, pathlib.Path(a.out).with_suffix(".png"))
     return 0
 
