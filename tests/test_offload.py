@@ -735,6 +735,45 @@ def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
     assert update.prefetch(masters, states) == {}
 
 
+def test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up(monkeypatch):
+    """What stays on its way home beside the next step is at most the planner's groups: the
+    update's last ones, not an older one left in place of a newer one whose copies finished
+    first, and, with fewer groups than may be left (every chunk in flight), not the last
+    update's beside this one's."""
+    from jax._src.array import ArrayImpl
+
+    done = {}  # id -> array: held, so ids stay unique. Copies are done when waited for.
+    block = ArrayImpl.block_until_ready
+    monkeypatch.setattr(ArrayImpl, "is_ready", lambda x: done.get(id(x)) is x)
+    monkeypatch.setattr(
+        ArrayImpl, "block_until_ready", lambda x: done.update({id(x): x}) or block(x)
+    )
+    batches = None
+    for in_flight in (4, 100):
+        config = small_config(offload__policy="optimizer", offload__chunks_in_flight=in_flight)
+        exp = build(config, make_mesh(config.mesh))
+        update, batches = exp.streamed_update, batches or make_batches(config)
+        tiers = [c.tier for c in update.chunks]
+        _, leaving = planner.beside_step_groups(tiers, update.groups, in_flight)
+        early = update.groups[-2] if in_flight == 4 else None  # Its copies home end first.
+        move = update._move
+
+        def moved(ks, leaves, to_device, move=move, early=early, update=update):
+            out = move(ks, leaves, to_device)
+            if ks == early and not to_device:
+                done.update((id(x), x) for x in update._moved(ks, out))
+            return out
+
+        update._move = moved
+        state = exp.init_state()
+        for rows in batches[:3]:
+            state, _ = exp.train_step(state, exp.global_batch(rows))
+            held = [e[3] for e in update._leaving]
+            assert set(held) <= set(leaving) and len(held) == len(set(held)), (held, leaving)
+        expected = [g for g in leaving if update.groups[g] != early]
+        assert held == expected and len(expected) == (2 if in_flight == 4 else 1)
+
+
 def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
     """XLA's pinned-host pool keeps its doubling regions up to its cap (on the H200 a 110 GiB
     cap was held whole for a 94.7 GiB plan, and the kernel killed the run after minutes of

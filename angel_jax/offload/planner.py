@@ -382,6 +382,8 @@ def _in_flight_bytes(chunks, in_flight: int) -> int:
     than that a chunk can be both. `chunks`: `_chunks`'."""
     sizes = sorted(m + s for _, m, s in chunks)
     ahead, leaving = flight(in_flight)
+    if max(ahead, leaving) >= len(sizes):  # Groups without a byte cap (`group_chunks`): the
+        return 2 * sum(sizes)  # fetched ones may hold the state beside the last update's.
     return sum(sizes[-ahead:]) + sum(sizes[-leaving:])
 
 
@@ -577,7 +579,7 @@ def make_plan(
                     spare -= master + state
                     resident.add(key)
             filled = _with_step_chunks(_with_resident(plan, resident, chunks), chunks, in_flight)
-            if plan.resident and not filled.copies_beside_step:
+            if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
                 break  # The second fill would push the groups beside the step out.
             plan = filled
         state_bytes, placement = plan.state_bytes, plan.placement

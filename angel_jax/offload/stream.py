@@ -282,6 +282,8 @@ class StreamedUpdate:
         """
         chunks, groups, n = self.chunks, self.groups, len(self.groups)
         self._delete_ready()
+        # The last update's groups still on their way home (at the deque's left end).
+        older = {id(e) for e in self._leaving}
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
@@ -353,11 +355,14 @@ class StreamedUpdate:
             self.most_bytes_in_flight = max(
                 self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
             )
-        self._delete_ready()
-        # Groups on their way home stay on the device beside the next step, as many as the
-        # planner counts (`planner.beside_step_groups`); older ones are waited for.
-        while len(self._leaving) > (self.leaving if self.beside_step else 0):
+        # This update's last groups on their way home stay on the device beside the next
+        # step, as many as the planner counts (`planner.beside_step_groups`): older ones, and
+        # the last update's (with fewer groups than that they would pile up), are waited for
+        # first, and only then the ones home meanwhile go (else an older one would stay).
+        keep = self.leaving if self.beside_step else 0
+        while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
             self._send_off(self._leaving.popleft())
+        self._delete_ready()
         start = time.perf_counter()
         for c, new in on_cpu:
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
