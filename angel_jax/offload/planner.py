@@ -599,7 +599,10 @@ def make_plan(
                 on_disk += master + (state // 2 if config.offload.ssd_compress else state)
         state_bytes["SSD chunks"] = on_disk
         placement["SSD chunks"] = SSD
-        return dataclasses.replace(plan, on_ssd=frozenset(on_ssd))
+        # SSD groups go alone: the groups beside the step as they will be.
+        return _with_step_chunks(
+            dataclasses.replace(plan, on_ssd=frozenset(on_ssd)), chunks, in_flight
+        )
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
     # The layer inputs' tiers to try, device first: their copies cost less than any other
@@ -620,10 +623,7 @@ def make_plan(
                 "config.model.remat (e.g. full or dots_no_batch), not none"
             )
         names = names[:2]
-    # Those placed now, resident or on disk: the groups beside the step as they will be.
-    candidates = [
-        _with_step_chunks(placed(n, tier), chunks, in_flight) for n in names for tier in inputs
-    ]
+    candidates = [placed(n, tier) for n in names for tier in inputs]
     for plan in candidates:
         if plan.fits():
             if not plan.offloads_optimizer:

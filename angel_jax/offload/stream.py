@@ -144,7 +144,8 @@ class StreamedUpdate:
     way and one program. On the H200 each chunk cost the host about 1.2 ms of runtime calls
     (llama_1b, 201 chunks: 250 ms a step with the device idle between the updates' tiny
     kernels, profile 2026-12-03). The planner makes the groups (`planner.group_chunks`, at most
-    256 MiB each, a larger chunk alone), so its bounds are the update's own.
+    256 MiB each unless every chunk is in flight, a larger chunk alone), so its bounds are the
+    update's own.
 
     The copies are runtime transfers, not copies inside one program: XLA runs one program's
     host->device and device->host copies one after the other (on the H200 the in-jit update
