@@ -49,11 +49,16 @@ class _Step:
         bf16 work is then what it will allocate. A device budget set in config.offload on a
         CPU stands for another machine's (tests emulate GPU budgets so), which CPU sizes do
         not tell."""
-        exp = self.exp
-        with sharding.use_rules(exp.mesh, exp.rules):
-            compiled = jitted.lower(*abstract_args).compile()
+        with sharding.use_rules(self.exp.mesh, self.exp.rules):
+            return self.checked(self.compile_lowered(jitted.lower(*abstract_args)))
+
+    def compile_lowered(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        return lowered.compile()
+
+    def checked(self, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+        """`compiled`, once its memory is checked against the plan (see `compile`)."""
         if self.checks_compiled:
-            check_compiled(exp.plan, compiled.memory_analysis())
+            check_compiled(self.exp.plan, compiled.memory_analysis())
         return compiled
 
     @property
@@ -193,9 +198,9 @@ class OffloadedStep(_Step):
         return step + 1, grads, exp.optimizer.clip_scale(norm), metrics
 
     @functools.cached_property
-    def grad_step(self):
-        """Compiled: (step, compute params, batch) -> (step + 1, grads, clipping scale,
-        metrics)."""
+    def grad_step_lowered(self) -> jax.stages.Lowered:
+        """`grad_step`, lowered from shapes: its text says whether two plans' steps are one
+        program."""
         exp, replicated = self.exp, self.replicated
         step = jax.jit(
             self._grad_step,
@@ -204,7 +209,28 @@ class OffloadedStep(_Step):
             out_shardings=(replicated, None, replicated, replicated),
         )
         state = exp.abstract_state
-        return self.compile(step, state.step, state.compute_params, self.abstract_batch())
+        with sharding.use_rules(exp.mesh, exp.rules):
+            return step.lower(state.step, state.compute_params, self.abstract_batch())
+
+    @functools.cached_property
+    def grad_step_compiled(self) -> jax.stages.Compiled:
+        """`grad_step` before its memory is checked against the plan."""
+        return self.compile_lowered(self.grad_step_lowered)
+
+    @functools.cached_property
+    def grad_step(self):
+        """Compiled: (step, compute params, batch) -> (step + 1, grads, clipping scale,
+        metrics)."""
+        return self.checked(self.grad_step_compiled)
+
+    def reuse_grad_step(self, other: "OffloadedStep") -> bool:
+        """Takes `other`'s compiled forward/backward when both lower to the same program (a
+        plan made again for the compiled step's temporaries, whose choices leave the program
+        as it was): XLA need not compile it twice."""
+        if self.grad_step_lowered.as_text() != other.grad_step_lowered.as_text():
+            return False
+        self.grad_step_compiled = other.grad_step_compiled
+        return True
 
     def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
         """The offloaded state after its streamed update with `grads` (`state` is donated;

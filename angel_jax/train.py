@@ -23,7 +23,7 @@ from angel_jax.config import objective
 from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
-from angel_jax.offload.planner import CompiledTooLarge, Plan
+from angel_jax.offload.planner import CompiledTooLarge, Plan, check_compiled
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
 from angel_jax.offload.stream import (
@@ -201,28 +201,49 @@ class Experiment:
 
 
 def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = True) -> Experiment:
-    """The experiment `config` describes on `mesh`. A plan that keeps optimizer chunks resident
-    on the device (policy auto), or the update's groups beside the step, fills room the
-    activation estimate leaves; with `fit_compiled`, the step is compiled here and, if its
-    temporaries exceed the estimate, the plan is made again with what they took (fewer
-    resident chunks, or none beside the step) before anything is allocated. Otherwise the
+    """The experiment `config` describes on `mesh`. A plan that offloads the optimizer fills
+    the device's room around the planner's estimate of the step's temporaries: chunks
+    resident on the device (policy auto) and the update's groups beside the step. With
+    `fit_compiled`, the step is compiled here and the plan made again with what its
+    temporaries took, before anything is allocated: when they took more (fewer chunks
+    resident, or none of the update's groups beside the step), and when they took less and
+    the room left lets the plan keep more on the device for the same program. Otherwise the
     first use of the step compiles it and refuses a plan it overruns."""
     exp = _build(config, mesh)
-    gives_back = exp.plan.resident or exp.plan.state_bytes.get("chunks beside the step")
-    if not (fit_compiled and gives_back and exp.steps.checks_compiled):
+    plan = exp.plan
+    if not (fit_compiled and plan.offloads_optimizer and exp.steps.checks_compiled):
         return exp
     try:
-        _ = exp.steps.grad_step  # Compiles and checks the step; train_step reuses it.
-        return exp
+        excess = check_compiled(plan, exp.steps.grad_step.memory_analysis())
     except CompiledTooLarge as e:
-        extra = e.beyond_estimate
+        print(
+            f"the compiled step's temporaries took {e.beyond_estimate / 2**30:.1f} GiB more "
+            "than the plan's estimate: planned again with them (fewer chunks resident on the "
+            "device, or none of the update's beside the step)",
+            file=sys.stderr,
+        )
+        again = _build(config, mesh, e.beyond_estimate)
+        if again.plan.offloads_optimizer and again.steps.reuse_grad_step(exp.steps):
+            _ = again.steps.grad_step  # Checked against the plan made again.
+        return again
+    if excess >= 0:
+        return exp
+    again = _build(config, mesh, excess)
+    more = len(again.plan.resident) > len(plan.resident) or (
+        again.plan.copies_beside_step and not plan.copies_beside_step
+    )
+    # Only for the same program: another's temporaries are not the ones measured.
+    if not (more and again.plan.offloads_optimizer and again.steps.reuse_grad_step(exp.steps)):
+        return exp
+    _ = again.steps.grad_step  # Checked against the plan made again.
     print(
-        f"the compiled step's temporaries took {extra / 2**30:.1f} GiB more than the plan's "
-        "activation estimate: planned again with them (fewer chunks resident on the device, or "
-        "none of the update's beside the step)",
+        f"the compiled step's temporaries took {-excess / 2**30:.1f} GiB less than the plan's "
+        f"estimate: planned again with them ({len(again.plan.resident)} chunks resident on the "
+        f"device, not {len(plan.resident)}; the update's groups beside the step "
+        f"{'on' if again.plan.copies_beside_step else 'off'})",
         file=sys.stderr,
     )
-    return _build(config, mesh, extra)
+    return again
 
 
 def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int = 0) -> Experiment:

@@ -3,7 +3,8 @@
 States, per device (after ZeRO and tensor sharding):
   compute params  (model dtype, for forward/backward; the fp32 masters when not offloaded)
   master params   (float32)
-  grads           (float32)
+  grads           (float32; their sum when accumulating microbatches)
+  microbatch grads (accumulating: one microbatch's grads, held in the step's temporaries)
   optimizer state (AdamW: mu + nu, float32)
   layer inputs    (the residual stream entering each layer: what every remat policy keeps
                    for the backward pass, exact; config.offload.activations: on the device,
@@ -55,7 +56,9 @@ ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # States alive only during the jitted forward/backward, and only during the streamed update
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
 # 8B step peaked at 80 GiB where their sum planned 105).
-STEP_ONLY = (*ACTIVATIONS, "layers in flight", "chunks beside the step")
+STEP_ONLY = (*ACTIVATIONS, "microbatch grads", "layers in flight", "chunks beside the step")
+# The step's states that XLA holds as the compiled step's temporaries (on the device).
+IN_TEMPORARIES = ("layer inputs", "activations", "microbatch grads")
 UPDATE_ONLY = ("update chunks",)
 # The streamed update's groups: a group's program holds each of its chunks' update unrolled
 # (this bounds its compile time), and past this many bytes a group's copies (5 ms at the H200's
@@ -140,8 +143,8 @@ class Plan:
             lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
         if "update chunks" in self.state_bytes:
             lines.append(
-                "  (a peak counts the step's activations, with the update's groups beside it, "
-                "or the update's chunks, the larger)"
+                "  (a peak counts the step's activations and microbatch grads, with the "
+                "update's groups beside them, or the update's chunks, the larger)"
             )
         if self.offloads_optimizer and not self.copies_beside_step:
             lines.append(
@@ -262,15 +265,21 @@ def pool_overflow(plan: Plan, local_devices: int, backend: str | None = None) ->
     held = pinned_pool_hold(need, cap)
     if held + plain + _BESIDE_POOL <= available:
         return ""
-    fit = math.ceil(need / USABLE / 2**30)
+    fit = math.ceil(need / USABLE / 2**30)  # The smallest cap the plan's pool lives in.
+    fixes = "a smaller config.offload.host_gib or config.offload.cpu_update"
+    if fit * 2**30 + plain + _BESIDE_POOL <= available:
+        fixes = f"set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit}, or {fixes}"
+    else:  # No cap holds the plan's pool beside the process here.
+        fixes = (
+            f"no cap fits this host: use {fixes} (with config.offload.policy=auto and an SSD "
+            f"tier, config.offload.ssd_dir, to take the rest), or a host with more memory"
+        )
     return (
         f"XLA's pinned-host pool grows in doubling regions up to its cap and keeps them: for "
         f"this plan's {need / 2**30:.1f} GiB it would hold {held / 2**30:.1f} GiB "
         f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}), which with "
         f"{beside}{_BESIDE_POOL / 2**30:.0f} GiB for the process passes the "
-        f"{available / 2**30:.1f} GiB this host has available: set "
-        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit}, or a smaller config.offload.host_gib or "
-        f"config.offload.cpu_update"
+        f"{available / 2**30:.1f} GiB this host has available: {fixes}"
     )
 
 
@@ -508,15 +517,17 @@ def make_plan(
         if name == "none":  # float32 masters are the compute params; float32 grads.
             return {
                 "compute params": local_bytes(params),
-                "grads": local_bytes(grads) * (2 if accumulating else 1),
+                "grads": local_bytes(grads),
+                **({"microbatch grads": local_bytes(grads)} if accumulating else {}),
                 "optimizer state": local_bytes(opt),
                 **activations,
             }
-        # Grads come in the compute dtype; accumulating adds a float32 sum.
-        grad_bytes = (compute_dtype.itemsize + (4 if accumulating else 0)) / 4
+        # Grads come in the compute dtype, or as their float32 sum when accumulating; then
+        # each microbatch's, in the compute dtype, live in the step's temporaries.
+        grad_bytes = compute_dtype.itemsize / 4
         layer_params, other_params = _split_bytes(params, stacked, compute_dtype)
         f32_grads = _split_bytes(grads, stacked)
-        layer_grads, other_grads = (int(b * grad_bytes) for b in f32_grads)
+        layer_grads, other_grads = (b if accumulating else int(b * grad_bytes) for b in f32_grads)
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
@@ -525,6 +536,8 @@ def make_plan(
             "update chunks": _in_flight_bytes(chunks, in_flight),
             **activations,
         }
+        if accumulating:
+            out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
             # Layer weights and grads (in the params' layout: grads return the way weights
             # came) move to the host; two layers at a time visit the device, gathered.
@@ -540,6 +553,8 @@ def make_plan(
                     "layers in flight": 2 * 3 * layer_params * gathered // max(layers, 1),
                 }
             )
+            if accumulating:  # The streamed layers' pass through "layers in flight".
+                out["microbatch grads"] = int(f32_grads[1] * grad_bytes)
         if config.offload.delayed_update:  # The waiting step's grads beside the next step's:
             # in the compute dtype, or their float32 sum when accumulating.
             waiting = (4 if accumulating else compute_dtype.itemsize) / 4
@@ -734,27 +749,29 @@ def _with_cpu_update(plan: Plan, share: float, host) -> Plan:
 
 class CompiledTooLarge(ConfigError):
     """The compiled step does not fit beside the plan's device states; its temporaries took
-    `beyond_estimate` bytes more than the planner's activation estimate."""
+    `beyond_estimate` bytes more than the planner's estimate of what they hold."""
 
     def __init__(self, message: str, beyond_estimate: int):
         super().__init__(message)
         self.beyond_estimate = beyond_estimate
 
 
-def check_compiled(plan: Plan, memory) -> None:
+def check_compiled(plan: Plan, memory) -> int:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
     device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
     arguments and outputs (`memory`: a `Compiled.memory_analysis()`) in place of the
-    planner's activation estimate."""
-    if memory is None:  # A backend without the analysis: the planner's estimate stands.
-        return
-    # The device's activations, which the compiled temporaries hold.
-    on_device = [s for s in ("activations", "layer inputs") if plan.placement.get(s) == DEVICE]
+    planner's estimate of the states it holds (`IN_TEMPORARIES` on the device). Returns the
+    temporaries' bytes beyond that estimate (negative when below it; 0 without the analysis,
+    where the estimate stands)."""
+    if memory is None:
+        return 0
+    on_device = [s for s in IN_TEMPORARIES if plan.placement.get(s) == DEVICE]
     estimate = sum(plan.state_bytes[s] for s in on_device)
     compiled = {**plan.state_bytes, **dict.fromkeys(on_device, 0)}
     compiled["activations"] = memory.temp_size_in_bytes
     need = dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
     usable = USABLE * plan.budget[DEVICE]
+    excess = memory.temp_size_in_bytes - estimate
     if need > usable:
         fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
         if not plan.layer_inputs_on_host:
@@ -763,7 +780,9 @@ def check_compiled(plan: Plan, memory) -> None:
         raise CompiledTooLarge(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "
             f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "
-            f"estimate of {estimate / 2**30:.1f} GiB of activations), more than the "
-            f"{usable / 2**30:.1f} GiB usable: use {', '.join(fixes[:-1])} or {fixes[-1]}",
-            memory.temp_size_in_bytes - estimate,
+            f"estimate of {estimate / 2**30:.1f} GiB for the {', '.join(on_device)}), more "
+            f"than the {usable / 2**30:.1f} GiB usable: use {', '.join(fixes[:-1])} or "
+            f"{fixes[-1]}",
+            excess,
         )
+    return excess
