@@ -55,7 +55,12 @@ def main() -> int:
             print(f"warning: {name!r} compiled to no FP8 GEMM: it ran bf16 kernels", flush=True)
     print_table(results)
     for r in results:
-        print(f"{r['system']:<40} FP8 GEMM calls in the step: {r['f8_gemm_calls']}")
+        # What the step's collectives produce per device (`throughput.collective_bytes`).
+        gathered = ", ".join(
+            f"{kind} {n} x, {size / 1e6:,.1f} MB"
+            for kind, (n, size) in r.get("collectives", {}).items()
+        )
+        print(f"{r['system']:<40} FP8 GEMM calls in the step: {r['f8_gemm_calls']}; {gathered}")
     write_results(a.out, results)
     return 0
 

@@ -17,6 +17,7 @@ import collections
 import datetime
 import gzip
 import json
+import math
 import os
 import pathlib
 import platform
@@ -128,12 +129,13 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
-    kernels = {}
+    kernels, collectives = {}, {}
     # The compiled step; with the optimizer offloaded, its compiled forward/backward part.
     program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
     if hasattr(program, "as_text"):
         text = program.as_text()
         kernels = custom_calls(text)
+        collectives = collective_bytes(text)
         if os.environ.get("THROUGHPUT_HLO_DIR"):  # For reading which kernels ran, later.
             name = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(overrides))[-120:]
             path = pathlib.Path(os.environ["THROUGHPUT_HLO_DIR"]) / f"{name}.hlo.txt.gz"
@@ -157,6 +159,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         batch=t.batch_size,
         seq=t.seq_len,
         kernels=kernels,
+        collectives=collectives,
         **breakdown,
     )
 
@@ -178,6 +181,55 @@ def custom_calls(hlo_text: str) -> dict:
     """Custom-call targets of a compiled program (its HLO text) with counts: which kernels
     (cuBLAS, cuDNN, Mosaic GPU, ...) it runs."""
     return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2}
+_ITEMSIZE.update({"s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8})
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """{collective: [count, bytes]} that a compiled program's collectives produce per device in
+    one run: each op's result (a gather's gathered array, a reduce-scatter's shard, an
+    all-reduce's buffer; asynchronous ones at their -done), times the trip counts of the loops
+    around it (XLA's known_trip_count), so a scan over layers counts each layer's gather. On
+    the wire each device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards
+    and 2(n-1)/n of an all-reduce's buffer."""
+    calls: dict[str, list] = collections.defaultdict(list)  # computation -> [(callee, times)]
+    ops: dict[str, list] = collections.defaultdict(list)  # computation -> [(kind, bytes)]
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            name = header.group(2)
+            entry = name if header.group(1) else entry
+            continue
+        if name is None or " = " not in line:
+            continue
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+        for callee in re.findall(r"(?:body|calls|branch_computations=\{)=?%([\w.\-]+)", line):
+            calls[name].append((callee, int(trips.group(1)) if trips else 1))
+        op = re.search(r" = (.*?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
+        if op:
+            shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
+            size = sum(
+                _ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                for t, dims in shapes
+            )
+            ops[name].append((op.group(2), size))
+    totals: dict[str, list] = {}
+
+    def visit(computation: str, times: int) -> None:
+        for kind, size in ops[computation]:
+            count = totals.setdefault(kind, [0, 0])
+            count[0] += times
+            count[1] += times * size
+        for callee, trips in calls[computation]:
+            visit(callee, times * trips)
+
+    if entry:
+        visit(entry, 1)
+    return totals
 
 
 def offload_breakdown(exp, state, batch) -> dict:

@@ -76,3 +76,34 @@ def test_the_timeline_merges_runs_of_work_and_keeps_long_host_calls():
     assert duration_ms("grad x2") == 0.21 and duration_ms("update x1") == 0.05, lines
     assert duration_ms("host->device x2") == 0.07, lines
     assert duration_ms("cuMemHostAlloc 31 GiB") == 5.0, lines
+
+
+def test_collective_bytes_count_each_trip_of_a_scan():
+    """A scan over 4 layers gathering each layer's (256, 128) bf16 weight split over 2 devices:
+    4 gathers of 256 x 128 values in the forward (XLA:CPU gathers them in float32), and the
+    backward's, each counted once per trip."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    w = jax.ShapeDtypeStruct(
+        (4, 256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "data"))
+    )
+    x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def loss(w, x):
+        def layer(h, w_l):
+            w_l = jax.lax.with_sharding_constraint(w_l, NamedSharding(mesh, P()))
+            return jnp.tanh(h @ w_l @ w_l.T), None
+
+        h, _ = jax.lax.scan(layer, x, w)
+        return jnp.sum(h.astype(jnp.float32))
+
+    forward = throughput.collective_bytes(jax.jit(loss).lower(w, x).compile().as_text())
+    # And the loss's float32 sum over the two devices' rows, outside the scan.
+    assert forward == {"all-gather": [4, 4 * 256 * 128 * 4], "all-reduce": [1, 4]}
+    both = throughput.collective_bytes(jax.jit(jax.grad(loss)).lower(w, x).compile().as_text())
+    assert both["all-gather"][0] == 4 and sum(n for n, _ in both.values()) > 4
+    assert all(n % 4 == 0 for n, _ in both.values())  # Every collective sits in a scan.
