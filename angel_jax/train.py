@@ -226,7 +226,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
         if again.plan.offloads_optimizer and again.steps.reuse_grad_step(exp.steps):
             _ = again.steps.grad_step  # Checked against the plan made again.
         return again
-    if excess >= 0:
+    # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
+    if excess >= 0 or not (config.offload.policy == "auto" or not plan.copies_beside_step):
         return exp
     again = _build(config, mesh, excess)
     more = len(again.plan.resident) > len(plan.resident) or (

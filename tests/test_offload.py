@@ -161,23 +161,31 @@ def test_auto_fills_the_device_first(eight_layers):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
 
 
-@pytest.mark.parametrize("outgrows", [True, False], ids=["outgrows", "undershoots"])
-def test_auto_plans_again_with_the_compiled_steps_temporaries(eight_layers, monkeypatch, outgrows):
-    """`build` compiles an `auto` plan's step with device-resident chunks and plans again with
-    XLA's temporaries in place of the activation estimate: when they exceed it, fewer resident
-    chunks and a step that fits (the same plan unfitted is refused at its first use); when
-    they fall short of it, more. Either trains as `none` does, its step compiled once."""
-    # Wider and on fewer rows: the states outweigh the activations, as in a large model.
+@pytest.fixture(scope="module")
+def wide_eight_layers(eight_layers):
+    """Wider and on fewer rows: the states outweigh the activations, as in a large model.
+    (overrides, mesh, `none`'s losses, the compiled optimizer step's temporaries)."""
     kw = dict(eight_layers[0], model__d_model=256, model__ffn_dim=512, train__batch_size=8)
     mesh = make_mesh(small_config(**kw).mesh)
     _, _, ref_losses = train(small_config(**kw))
     exp = build(small_config(offload__policy="optimizer", **kw), mesh)
-    temps = exp.steps.grad_step.memory_analysis().temp_size_in_bytes
+    return kw, mesh, ref_losses, exp.steps.grad_step.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("outgrows", [True, False], ids=["outgrows", "undershoots"])
+def test_auto_plans_again_with_the_compiled_steps_temporaries(
+    wide_eight_layers, monkeypatch, outgrows
+):
+    """`build` compiles an `auto` plan's step with device-resident chunks and plans again with
+    XLA's temporaries in place of the activation estimate: when they exceed it, fewer resident
+    chunks and a step that fits (the same plan unfitted is refused at its first use); when
+    they fall short of it, more. Either trains as `none` does, its step compiled once."""
+    kw, mesh, ref_losses, temps = wide_eight_layers
     # An estimate 1.5 MiB off the temporaries: more than a fill leaves over, less than the
     # resident chunks' room.
     off, estimate = 3 * 2**19 * (-1 if outgrows else 1), planner.activation_bytes
     wrong = lambda c, m: {**estimate(c, m), "activations": temps + off - 2**18}
-    assert estimate(exp.config, mesh)["layer inputs"] == 2**18
+    assert estimate(small_config(**kw), mesh)["layer inputs"] == 2**18
     monkeypatch.setattr(planner, "activation_bytes", wrong)
     plan = lambda policy: (
         build(small_config(offload__policy=policy, **kw), mesh, fit_compiled=False).plan
