@@ -50,10 +50,7 @@ class _Step:
         CPU stands for another machine's (tests emulate GPU budgets so), which CPU sizes do
         not tell."""
         with sharding.use_rules(self.exp.mesh, self.exp.rules):
-            return self.checked(self.compile_lowered(jitted.lower(*abstract_args)))
-
-    def compile_lowered(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        return lowered.compile()
+            return self.checked(jitted.lower(*abstract_args).compile())
 
     def checked(self, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
         """`compiled`, once its memory is checked against the plan (see `compile`)."""
@@ -215,7 +212,7 @@ class OffloadedStep(_Step):
     @functools.cached_property
     def grad_step_compiled(self) -> jax.stages.Compiled:
         """`grad_step` before its memory is checked against the plan."""
-        return self.compile_lowered(self.grad_step_lowered)
+        return self.grad_step_lowered.compile()
 
     @functools.cached_property
     def grad_step(self):

@@ -95,7 +95,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
-    # The offloaded step is the compiled forward/backward and the streamed update.
+    # The compiled step; with the optimizer offloaded, its compiled forward/backward part (the
+    # streamed update runs beside it).
     program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
     plan = dict(
         plan=exp.plan.policy,
@@ -130,8 +131,6 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
     kernels, collectives = {}, {}
-    # The compiled step; with the optimizer offloaded, its compiled forward/backward part.
-    program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
     if hasattr(program, "as_text"):
         text = program.as_text()
         kernels = custom_calls(text)
@@ -184,17 +183,23 @@ def custom_calls(hlo_text: str) -> dict:
 
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2}
-_ITEMSIZE.update({"s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8})
+
+
+def _hlo_bytes(dtype: str, dims: str) -> float:
+    """Bytes of an HLO array: its element type's bits are in its name (bf16, f8e4m3fn, s32)."""
+    bits = re.match(r"\D*(\d+)", dtype)
+    size = 8 if dtype == "pred" else int(bits.group(1)) if bits else 0
+    return size / 8 * math.prod(int(d) for d in dims.split(",") if d)
 
 
 def collective_bytes(hlo_text: str) -> dict:
     """{collective: [count, bytes]} that a compiled program's collectives produce per device in
     one run: each op's result (a gather's gathered array, a reduce-scatter's shard, an
-    all-reduce's buffer; asynchronous ones at their -done), times the trip counts of the loops
-    around it (XLA's known_trip_count), so a scan over layers counts each layer's gather. On
-    the wire each device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards
-    and 2(n-1)/n of an all-reduce's buffer."""
+    all-reduce's buffer; asynchronous ones at their -done, or once inside the computation an
+    async-start calls), times the trip counts of the loops around it (XLA's
+    known_trip_count), so a scan over layers counts each layer's gather. On the wire each
+    device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards and 2(n-1)/n of
+    an all-reduce's buffer."""
     calls: dict[str, list] = collections.defaultdict(list)  # computation -> [(callee, times)]
     ops: dict[str, list] = collections.defaultdict(list)  # computation -> [(kind, bytes)]
     entry, name = None, None
@@ -206,17 +211,15 @@ def collective_bytes(hlo_text: str) -> dict:
             continue
         if name is None or " = " not in line:
             continue
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-        for callee in re.findall(r"(?:body|calls|branch_computations=\{)=?%([\w.\-]+)", line):
-            calls[name].append((callee, int(trips.group(1)) if trips else 1))
+        # An async op's start, update and done all name the computation it runs: one call.
+        if not re.search(r" async-(done|update)\(", line):
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            for callee in re.findall(r"(?:body|calls|branch_computations=\{)=?%([\w.\-]+)", line):
+                calls[name].append((callee, int(trips.group(1)) if trips else 1))
         op = re.search(r" = (.*?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
         if op:
             shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
-            size = sum(
-                _ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                for t, dims in shapes
-            )
-            ops[name].append((op.group(2), size))
+            ops[name].append((op.group(2), sum(_hlo_bytes(t, d) for t, d in shapes)))
     totals: dict[str, list] = {}
 
     def visit(computation: str, times: int) -> None:

@@ -107,3 +107,23 @@ def test_collective_bytes_count_each_trip_of_a_scan():
     both = throughput.collective_bytes(jax.jit(jax.grad(loss)).lower(w, x).compile().as_text())
     assert both["all-gather"][0] == 4 and sum(n for n, _ in both.values()) > 4
     assert all(n % 4 == 0 for n, _ in both.values())  # Every collective sits in a scan.
+
+
+def test_collective_bytes_count_an_async_collective_once():
+    """XLA:GPU runs a reduce-scatter as an async-start and an async-done that both name the
+    computation holding it: it is counted once, and an all-gather at its -done, not its
+    -start (whose result holds the input beside the output)."""
+    hlo = """
+%wrapped (p: bf16[8,4]) -> bf16[4,4] {
+  %rs = bf16[4,4]{1,0} reduce-scatter(bf16[8,4]{1,0} %p), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[8,4], b: f8e4m3fn[2,4]) -> bf16[4,4] {
+  %start = ((bf16[8,4]), bf16[4,4]) async-start(bf16[8,4]{1,0} %a), calls=%wrapped
+  %done = bf16[4,4]{1,0} async-done(((bf16[8,4]), bf16[4,4]) %start), calls=%wrapped
+  %ag = (f8e4m3fn[2,4]{1,0}, f8e4m3fn[4,4]{1,0}) all-gather-start(f8e4m3fn[2,4]{1,0} %b)
+  %agd = f8e4m3fn[4,4]{1,0} all-gather-done((f8e4m3fn[2,4]{1,0}, f8e4m3fn[4,4]{1,0}) %ag)
+}
+"""
+    counts = throughput.collective_bytes(hlo)
+    assert counts == {"reduce-scatter": [1, 4 * 4 * 2], "all-gather": [1, 4 * 4]}
