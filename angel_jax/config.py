@@ -79,7 +79,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
-    # none | full | dots | dots_no_batch | dots_attention | offload_dots (angel_jax/remat.py).
+    # none | full | dots | dots_no_batch | dots_attention | offload_dots (angel_jax/remat.py), or
+    # auto: the fastest of dots_attention, dots_no_batch, full with which the ZeRO-Cache plan
+    # fits, checked against the compiled step on a GPU (angel_jax/offload/planner.py).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
     # Ring attention's (context axis) block kernels: auto (tokamax's Mosaic GPU flash kernels
@@ -441,7 +443,7 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
             f"config.model.num_kv_heads={m.num_kv_heads}; GQA needs each KV head shared by the "
             "same number of query heads"
         )
-    choose("model.remat", m.remat, REMATS)
+    choose("model.remat", m.remat, ("auto", *REMATS))
     if m.mlp_chunks < 1:
         raise ConfigError(f"config.model.mlp_chunks={m.mlp_chunks}: use 1 or more")
     if m.mlp_chunks > 1 and m.num_experts:

@@ -257,7 +257,7 @@ class Monitor:
     def step_fn(self, exp):
         """`(state, batch) -> (state, metrics)`: the experiment's step, guarded when anomalies
         are skipped. Compiles it."""
-        step_fn = exp.guarded_train_step if self.skips_in_step else exp.train_step
+        step_fn = exp.loop_step  # Guarded when anomalies are skipped in the step.
 
         def run(state, batch):
             self._next_step += 1

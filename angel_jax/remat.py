@@ -104,6 +104,11 @@ REMATS = {
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
 # copy of it per slot).
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
+# What config.model.remat=auto tries, fastest first: the pipeline's policies. Not none: on the
+# H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.1k
+# tokens/s at twice the memory, experiments/throughput.py), its memory traffic costing more
+# than the recompute it spares.
+AUTO_REMATS = STAGE_REMATS
 
 
 _input_to_host = _policies.save_and_offload_only_these_names(

@@ -66,7 +66,7 @@ def make_state_layout(
     optimizer: Optimizer,
     to_stages=None,
     inputs_offloadable: bool = False,
-    extra_activations: int = 0,
+    extra_activations: dict[str, int] | None = None,
 ) -> StateLayout:
     """The layout of the state around params of these (logically boxed) shapes; `to_stages`
     (the pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the

@@ -36,6 +36,9 @@ from angel_jax.parallel.stage_plan import PipelinePlan, make_pipeline_plan
 from angel_jax.state_layout import TrainState, make_state_layout
 from angel_jax.steps import DeviceStep, OffloadedStep
 
+# Plans `build` makes at most, each for what the last one's compiled step took.
+_MOST_PLANS = 6
+
 
 @dataclasses.dataclass
 class Experiment:
@@ -183,6 +186,13 @@ class Experiment:
         return self.steps.train_step
 
     @property
+    def loop_step(self):
+        """The step the training loop runs: `guarded_train_step` when anomalies are skipped
+        in the step (config.monitor.on_anomaly=skip), else `train_step`."""
+        skips = self.config.monitor.on_anomaly == "skip"
+        return self.guarded_train_step if skips else self.train_step
+
+    @property
     def guarded_train_step(self):
         """(state, batch, loss ceiling) -> (state, metrics): `train_step` that drops the update
         of a step whose loss or grad norm is not finite or whose loss is above the ceiling
@@ -203,33 +213,55 @@ class Experiment:
 def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = True) -> Experiment:
     """The experiment `config` describes on `mesh`. A plan that offloads the optimizer fills
     the device's room around the planner's estimate of the step's temporaries: chunks
-    resident on the device (policy auto) and the update's groups beside the step. With
-    `fit_compiled`, the step is compiled here and the plan made again with what its
+    resident on the device (policy auto) and the update's groups beside the step; with
+    config.model.remat=auto the plan also picks the fastest remat policy that fits. With
+    `fit_compiled`, such a plan's step is compiled here and the plan made again with what its
     temporaries took, before anything is allocated: when they took more (fewer chunks
-    resident, or none of the update's groups beside the step), and when they took less and
-    the room left lets the plan keep more on the device for the same program. Otherwise the
-    first use of the step compiles it and refuses a plan it overruns."""
+    resident, none of the update's groups beside the step, or the next remat policy), and
+    when they took less and the room left lets the plan keep more on the device for the same
+    program. Otherwise the first use of the step compiles it and refuses a plan it overruns."""
     exp = _build(config, mesh)
-    plan = exp.plan
-    if not (fit_compiled and plan.offloads_optimizer and exp.steps.checks_compiled):
+    picks_remat = config.model.remat == "auto" and not exp.pipeline
+    if not (fit_compiled and exp.steps.checks_compiled):
         return exp
-    try:
-        excess = check_compiled(plan, exp.steps.grad_step.memory_analysis())
-    except CompiledTooLarge as e:
-        print(
-            f"the compiled step's temporaries took {e.beyond_estimate / 2**30:.1f} GiB more "
-            "than the plan's estimate: planned again with them (fewer chunks resident on the "
-            "device, or none of the update's beside the step)",
-            file=sys.stderr,
-        )
-        again = _build(config, mesh, e.beyond_estimate)
-        if again.plan.offloads_optimizer and again.steps.reuse_grad_step(exp.steps):
-            _ = again.steps.grad_step  # Checked against the plan made again.
-        return again
+    if not (exp.plan.offloads_optimizer or picks_remat):
+        return exp
+    extra: dict[str, int] = {}  # Remat policy -> what its compiled step took beyond the estimate.
+    for attempt in range(_MOST_PLANS):
+        try:
+            # The program the loop runs: compiled and checked against the plan.
+            _ = exp.steps.grad_step if exp.plan.offloads_optimizer else exp.loop_step
+            break
+        except CompiledTooLarge as e:
+            if attempt == _MOST_PLANS - 1:
+                raise
+            before, remat = exp, exp.plan.remat
+            extra[remat] = extra.get(remat, 0) + e.beyond_estimate
+            exp = _build(config, mesh, extra)
+            if before.plan.offloads_optimizer and exp.plan.offloads_optimizer:
+                exp.steps.reuse_grad_step(before.steps)  # The same program: not compiled again.
+            print(
+                f"the compiled step (remat {remat}) took {e.beyond_estimate / 2**30:.1f} GiB "
+                f"more temporaries than the plan's estimate: planned again with them (policy "
+                f"{exp.plan.policy}, remat {exp.plan.remat}, {len(exp.plan.resident)} chunks "
+                f"resident on the device, not {len(before.plan.resident)})",
+                file=sys.stderr,
+            )
+    if extra or not exp.plan.offloads_optimizer:
+        return exp
+    return _with_room_given_back(config, mesh, exp)
+
+
+def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Experiment):
+    """`exp`, or planned again with its compiled step's temporaries when they came in under
+    the estimate and the room left lets the plan keep more on the device for the same
+    program."""
+    plan = exp.plan
+    excess = check_compiled(plan, exp.steps.grad_step.memory_analysis())
     # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
     if excess >= 0 or not (config.offload.policy == "auto" or not plan.copies_beside_step):
         return exp
-    again = _build(config, mesh, excess)
+    again = _build(config, mesh, {plan.remat: excess})
     more = len(again.plan.resident) > len(plan.resident) or (
         again.plan.copies_beside_step and not plan.copies_beside_step
     )
@@ -247,7 +279,9 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
     return again
 
 
-def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int = 0) -> Experiment:
+def _build(
+    config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: dict[str, int] | None = None
+) -> Experiment:
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
         apply_checkpoint_architecture(config)
@@ -267,6 +301,8 @@ def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int
     if mesh.shape["pipeline"] > 1:
         pipeline = make_pipeline_plan(config, model_config, dict(mesh.shape))
         model_config = dataclasses.replace(model_config, remat=pipeline.remat)
+    elif model_config.remat == "auto":  # The plan's pick, below; shapes do not depend on it.
+        model_config = dataclasses.replace(model_config, remat="none")
     optimizer = make_optimizer(config.train)
     # The params' shapes (the planners' input) do not depend on what the plan then decides.
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
@@ -278,6 +314,8 @@ def _build(config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: int
     layout = make_state_layout(
         config, mesh, rules, boxed["params"], optimizer, to_stages, offloadable, extra_activations
     )
+    if not pipeline:
+        model_config = dataclasses.replace(model_config, remat=layout.plan.remat)
     if layout.plan.streams_params:
         model_config = dataclasses.replace(model_config, stream_params=True)
     if layout.plan.layer_inputs_on_host:

@@ -176,6 +176,18 @@ VARIANTS = [
         [*AUTO, "--config.offload.cpu_update=0", *TOKENS_128K, "--config.train.microbatches=16"],
         0,
     ),
+    (  # The remat the 8B config had before it took auto: the last one's reference.
+        "llama3_8b auto, 16 x 8192 in 16 microbatches, device update, remat dots_no_batch",
+        "llama3_8b",
+        [
+            *AUTO,
+            "--config.offload.cpu_update=0",
+            *TOKENS_128K,
+            "--config.train.microbatches=16",
+            "--config.model.remat=dots_no_batch",
+        ],
+        0,
+    ),
     (
         "llama3_8b auto, 16 x 8192 in 16 microbatches, host 30%",
         "llama3_8b",

@@ -100,6 +100,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
     plan = dict(
         plan=exp.plan.policy,
+        remat=exp.model_config.remat,  # config.model.remat, or what auto picked.
         layer_inputs_on_host=exp.plan.layer_inputs_on_host,
         planned_device_gib=exp.plan.tier_bytes("device") / 2**30,
         planned_host_gib=exp.plan.tier_bytes("pinned_host") / 2**30,

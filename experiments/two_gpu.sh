@@ -42,14 +42,13 @@
 #    compiled step); the compiled steps' HLO in $OUT/hlo/ (THROUGHPUT_HLO_DIR).
 #    ~60 s + ~150 s.
 # 6  (item 6, llama3_8b on two GPUs): scaling.py's named runs "llama3_8b zero3 data=2" and
-#    "llama3_8b tensor=2 data=1" (both remat full, as scaling.py sets) in one job: MFU ->
-#    llama3_8b_2gpu.json. ~200 s.
+#    "llama3_8b tensor=2 data=1" (remat auto, the config's: the planner's pick, checked
+#    against the compiled step; each refused pick costs a compile) in one job: MFU ->
+#    llama3_8b_2gpu.json. ~200-300 s.
 #
 # Not supported by the scripts yet (each run echoes its line):
 #  - item 1: scaling.py's --collectives has default, combined 256 MiB and pipelined only; no
 #    latency-hiding-scheduler settings and no per-layer all-gather prefetch to try.
-#  - item 6: config.model.remat has no `auto` (only config.pipeline.remat does), so the
-#    planner does not pick the remat; both runs use remat=full.
 #
 # Local dry checks: PYTHON=... OUT=... TWO_GPU_SKIP_SETUP=1 bash experiments/two_gpu.sh N.
 
@@ -193,7 +192,6 @@ setup)
     environment
     py llama3_8b_2gpu 540 230 scaling.py --gpus 2 \
         --only "llama3_8b zero3 data=2,llama3_8b tensor=2 data=1" --out "$OUT/llama3_8b_2gpu.json"
-    missing 6 "config.model.remat has no auto (only config.pipeline.remat): the planner does not pick the remat; both runs used remat=full" llama3_8b_2gpu
     ;;
 2 | 3 | 4)
     echo "run $RUN is split in two calls: ${RUN}a and ${RUN}b"

@@ -281,6 +281,22 @@ BREAKS = [
         ["tests/test_experiments.py::test_collective_bytes_count_an_async_collective_once"],
     ),
     (
+        "auto remat's pick not given to the model",
+        "angel_jax/train.py",
+        "        model_config = dataclasses.replace(model_config, remat=layout.plan.remat)\n",
+        "        pass\n",
+        ["tests/test_offload.py::test_auto_remat_is_the_fastest_that_fits"],
+    ),
+    (
+        "auto remat not checked against the compiled step",
+        "angel_jax/train.py",
+        "    if not (exp.plan.offloads_optimizer or picks_remat):",
+        "    if not exp.plan.offloads_optimizer:",
+        [
+            "tests/test_offload.py::test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device"
+        ],
+    ),
+    (
         "last update's groups not counted in flight",
         "angel_jax/offload/stream.py",
         "while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:",

@@ -184,8 +184,8 @@ def test_auto_plans_again_with_the_compiled_steps_temporaries(
     # An estimate 1.5 MiB off the temporaries: more than a fill leaves over, less than the
     # resident chunks' room.
     off, estimate = 3 * 2**19 * (-1 if outgrows else 1), planner.activation_bytes
-    wrong = lambda c, m: {**estimate(c, m), "activations": temps + off - 2**18}
-    assert estimate(small_config(**kw), mesh)["layer inputs"] == 2**18
+    wrong = lambda c, m, r: {**estimate(c, m, r), "activations": temps + off - 2**18}
+    assert estimate(small_config(**kw), mesh, "none")["layer inputs"] == 2**18
     monkeypatch.setattr(planner, "activation_bytes", wrong)
     plan = lambda policy: (
         build(small_config(offload__policy=policy, **kw), mesh, fit_compiled=False).plan
@@ -208,6 +208,69 @@ def test_auto_plans_again_with_the_compiled_steps_temporaries(
     fitted, first = len(exp.plan.resident), len(unfitted.plan.resident)
     assert 0 < fitted < first if outgrows else fitted > first > 0
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+# Wider, on more rows: remat policies' activations set the device's need.
+WIDE = dict(offload__policy="none", model__d_model=128, model__ffn_dim=256, train__batch_size=32)
+
+
+def test_auto_remat_is_the_fastest_that_fits():
+    """config.model.remat=auto: the plan takes the first of dots_no_batch and full (no
+    dots_attention on XLA's attention) whose activations fit beside the states, and the model
+    is built with it: its step lowers to the program the same remat set by hand gives. The
+    layer inputs go to host memory before a slower remat is taken."""
+    mesh = make_mesh(small_config(**WIDE).mesh)
+    exp = lambda remat, gib=0, inputs="device": build(
+        small_config(
+            model__remat=remat, offload__device_gib=gib, offload__activations=inputs, **WIDE
+        ),
+        mesh,
+        fit_compiled=False,
+    )
+    need = {r: exp(r).plan.tier_bytes(DEVICE) for r in ("dots_no_batch", "full")}
+    inputs = exp("full").plan.state_bytes["layer inputs"]
+    assert need["dots_no_batch"] - inputs / 2 > need["full"]
+    gib = lambda nbytes: nbytes * 1.001 / planner.USABLE / 2**30
+    # Short of dots_no_batch's need by half the layer inputs.
+    room = {"dots_no_batch": need["dots_no_batch"], "full": need["dots_no_batch"] - inputs / 2}
+    for remat, device in room.items():
+        picked = exp("auto", gib(device))
+        assert picked.plan.remat == picked.model_config.remat == remat
+        assert f"remat {remat})" in picked.plan.table()
+        lowered = lambda e: e.steps.lowered().as_text()
+        assert lowered(picked) == lowered(exp(remat))
+    inputs_moved = exp("auto", gib(room["full"]), inputs="auto").plan
+    assert inputs_moved.remat == "dots_no_batch" and inputs_moved.layer_inputs_on_host
+    with pytest.raises(ConfigError, match="do not fit"):
+        exp("auto", gib(need["full"] * 0.9))
+
+
+def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(monkeypatch):
+    """An estimate that lets dots_no_batch fit where its compiled step does not: `build`
+    compiles the step the loop runs, finds it too large before anything is allocated, and
+    plans again with what it took: the next remat, which trains."""
+    kw = dict(WIDE, monitor__on_anomaly="log")  # The loop's step is `train_step`, as compiled here.
+    mesh = make_mesh(small_config(**kw).mesh)
+    plan = lambda remat: build(small_config(model__remat=remat, **kw), mesh, fit_compiled=False)
+    compiled_need = {}
+    for remat in ("dots_no_batch", "full"):
+        exp = plan(remat)
+        temps = exp.steps.lowered().compile().memory_analysis().temp_size_in_bytes
+        estimate = exp.plan.state_bytes["activations"] + exp.plan.state_bytes["layer inputs"]
+        compiled_need[remat] = exp.plan.tier_bytes(DEVICE) - estimate + temps
+    assert compiled_need["dots_no_batch"] > compiled_need["full"]
+    # Room between the two compiled steps' needs, and no activations in dots_no_batch's
+    # estimate.
+    between = sum(compiled_need.values()) / 2 / planner.USABLE / 2**30
+    estimate = planner.activation_bytes
+    wrong = lambda c, m, r: {**estimate(c, m, r), **({"activations": 0} if r != "full" else {})}
+    monkeypatch.setattr(planner, "activation_bytes", wrong)
+    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    config = small_config(model__remat="auto", offload__device_gib=between, **kw)
+    assert build(config, mesh, fit_compiled=False).plan.remat == "dots_no_batch"
+    exp, _, losses = train(config)
+    assert exp.plan.remat == exp.model_config.remat == "full"
+    assert np.isfinite(losses).all()
 
 
 def test_microbatch_grads_are_planned_in_the_steps_temporaries():
@@ -412,7 +475,7 @@ def test_hybrid_share_is_spread_over_the_update():
     and the device work from its start."""
     gib = 2**30
     plan = planner.Plan(
-        "optimizer", {}, {"master params": 4 * gib, "optimizer state": 8 * gib}, {}, 2**30, 1
+        "optimizer", "none", {}, {"master params": 4 * gib, "optimizer state": 8 * gib}, {}, 2**30, 1
     )
     chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]
     out = planner._with_cpu_update(plan, 0.25, chunks)

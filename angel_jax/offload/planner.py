@@ -11,6 +11,8 @@ States, per device (after ZeRO and tensor sharding):
                    in pinned host memory, or auto: the device if the plan fits, else the host)
   activations     (the rest, an estimate from the remat policy; on the device, or offloaded
                    to pinned host memory by the `offload_dots` remat policy)
+config.model.remat=auto: the fastest remat policy (remat.AUTO_REMATS, in their order) with
+which the policy's plan fits, tried for each offload policy in turn (none first).
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
@@ -45,7 +47,7 @@ from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
-from angel_jax.remat import REMATS
+from angel_jax.remat import AUTO_REMATS, REMATS
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -72,6 +74,7 @@ WORKING_WIDTHS = (8, 6)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     policy: str  # The policy in force (auto resolved).
+    remat: str  # The remat policy whose activations it holds (config.model.remat, auto resolved).
     placement: dict[str, str]  # State -> tier.
     state_bytes: dict[str, int]  # State -> bytes per device.
     budget: dict[str, int]  # Tier -> bytes per device.
@@ -134,7 +137,7 @@ class Plan:
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:8.2f}"
-        lines = [f"ZeRO-Cache plan (policy {self.policy}), GiB per device:"]
+        lines = [f"ZeRO-Cache plan (policy {self.policy}, remat {self.remat}), GiB per device:"]
         lines.append(f"  {'state':<22} {'tier':<12} {'GiB':>8}")
         for state, nbytes in self.state_bytes.items():
             lines.append(f"  {state:<22} {self.placement[state]:<12} {gib(nbytes)}")
@@ -302,12 +305,12 @@ def local_bytes(abstract_tree, dtype=None) -> int:
     return total
 
 
-def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
-    """Per-device bytes of saved activations (memory.saved_values): "layer inputs" (exact: the
-    residual stream entering each layer), "activations" (the rest the remat policy keeps on
-    the device, with what one layer's recomputing backward holds and the float32 logits and
-    their gradient, one of `logits_chunks` slices at a time) and "offloaded activations" (what
-    it keeps in host memory)."""
+def activation_bytes(config: ml_collections.ConfigDict, mesh, remat: str) -> dict[str, int]:
+    """Per-device bytes of saved activations under REMATS[remat] (memory.saved_values): "layer
+    inputs" (exact: the residual stream entering each layer), "activations" (the rest the
+    remat policy keeps on the device, with what one layer's recomputing backward holds and the
+    float32 logits and their gradient, one of `logits_chunks` slices at a time) and
+    "offloaded activations" (what it keeps in host memory)."""
     m, t = config.model, config.train
     # Batch splits over data and expert, positions over context and sequence.
     splits = math.prod(mesh.shape[a] for a in (DATA, EXPERT, CONTEXT, SEQUENCE))
@@ -316,7 +319,7 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     # A token's MLP width: its experts' (routed and shared) in a mixture of experts.
     ffn, routed = m.ffn_dim, 0.0
     if m.num_experts:
-        f, k, policy = m.moe_ffn_dim or m.ffn_dim, m.experts_per_token, REMATS[m.remat]
+        f, k, policy = m.moe_ffn_dim or m.ffn_dim, m.experts_per_token, REMATS[remat]
         ffn = (k + m.shared_experts) * f
         if m.router == "dropless" and any(policy.expert_rows):
             # Beyond the FFN widths of a token's k routed rows: dropless keeps rows for its
@@ -331,11 +334,11 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     xla_keys = 0  # On XLA's attention some policies keep (T, T) arrays per head.
     if resolve_attention(m, jax.default_backend()) == "xla":
         xla_keys = m.num_heads / (tensor * mesh.shape[SEQUENCE]) * t.seq_len / mesh.shape[CONTEXT]
-    on_device, on_host = saved_values(m.remat, widths, xla_keys, itemsize)
+    on_device, on_host = saved_values(remat, widths, xla_keys, itemsize)
     per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
     logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
     working = 0
-    if m.remat != "none":
+    if remat != "none":
         # One layer's backward holds what it recomputes: about 8 d_model-wide and 6 ffn-wide
         # values per token (with their grads), the latter per MLP slice. Fitted to llama_1b's
         # compiled step at 524k tokens on the H200 (97.1 GiB of temporaries, full remat).
@@ -488,7 +491,7 @@ def make_plan(
     stacked,
     inputs_offloadable: bool,
     measure_rates=None,
-    extra_activations: int = 0,
+    extra_activations: dict[str, int] | None = None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
@@ -497,8 +500,8 @@ def make_plan(
     `inputs_offloadable`: the model's layers can keep their inputs in host memory;
     `measure_rates`: () -> the rates `hybrid_share` takes (`cpu.measure_rates`), called when
     config.offload.cpu_update is -1 and the plan offloads the optimizer;
-    `extra_activations`: bytes the compiled step's temporaries took beyond the activation
-    estimate (`CompiledTooLarge.beyond_estimate`), added to it.
+    `extra_activations`: remat policy -> bytes its compiled step's temporaries took beyond
+    the activation estimate (`CompiledTooLarge.beyond_estimate`), added to it.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -506,21 +509,24 @@ def make_plan(
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    activations = activation_bytes(config, mesh)
-    activations["activations"] += extra_activations
+    remats = _remats(config)
+    extra = extra_activations or {}
+    activations = {r: activation_bytes(config, mesh, r) for r in remats}
+    for r in remats:
+        activations[r]["activations"] += extra.get(r, 0)
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
     in_flight = config.offload.chunks_in_flight
 
-    def sizes(name: str) -> dict[str, int]:
+    def sizes(name: str, remat: str) -> dict[str, int]:
         if name == "none":  # float32 masters are the compute params; float32 grads.
             return {
                 "compute params": local_bytes(params),
                 "grads": local_bytes(grads),
                 **({"microbatch grads": local_bytes(grads)} if accumulating else {}),
                 "optimizer state": local_bytes(opt),
-                **activations,
+                **activations[remat],
             }
         # Grads come in the compute dtype, or as their float32 sum when accumulating; then
         # each microbatch's, in the compute dtype, live in the step's temporaries.
@@ -534,7 +540,7 @@ def make_plan(
             "master params": local_bytes(offloaded_masters),
             "optimizer state": local_bytes(opt),
             "update chunks": _in_flight_bytes(chunks, in_flight),
-            **activations,
+            **activations[remat],
         }
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
@@ -575,11 +581,11 @@ def make_plan(
         "delayed streamed grads",
     )
 
-    def placed(name: str, inputs: str) -> Plan:
-        state_bytes = sizes(name)
+    def placed(name: str, remat: str, inputs: str) -> Plan:
+        state_bytes = sizes(name, remat)
         on_host = host_states[name] + (("layer inputs",) if inputs == HOST else ())
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
-        plan = Plan(name, placement, state_bytes, budget, num_params, mesh.size)
+        plan = Plan(name, remat, placement, state_bytes, budget, num_params, mesh.size)
         # With every chunk in host memory: the room the groups beside the step may take.
         plan = _with_step_chunks(plan, chunks, in_flight)
         if policy != "auto" or name == "none":
@@ -624,21 +630,27 @@ def make_plan(
     # state's offload (one (tokens, d_model) array per layer each way, overlapped with compute).
     inputs = {"device": (DEVICE,), "host": (HOST,), "auto": (DEVICE, HOST)}
     inputs = inputs[config.offload.activations]
-    if config.model.remat == "none" or not inputs_offloadable:
-        if config.offload.activations == "host":
-            raise ConfigError(
-                "config.offload.activations=host needs remat and layers that name their input "
-                "(a Llama model outside a pipeline): use offload.activations=auto or device"
-            )
-        inputs = (DEVICE,)
-    if policy in ("params", "auto") and config.model.remat == "none":
-        if policy == "params":
-            raise ConfigError(
-                "config.offload.policy=params streams layer weights inside remat: set "
-                "config.model.remat (e.g. full or dots_no_batch), not none"
-            )
-        names = names[:2]
-    candidates = [placed(n, tier) for n in names for tier in inputs]
+    if not inputs_offloadable and config.offload.activations == "host":
+        raise ConfigError(
+            "config.offload.activations=host needs remat and layers that name their input "
+            "(a Llama model outside a pipeline): use offload.activations=auto or device"
+        )
+    if policy == "params" and remats == ("none",):
+        raise ConfigError(
+            "config.offload.policy=params streams layer weights inside remat: set "
+            "config.model.remat (e.g. full, dots_no_batch or auto), not none"
+        )
+    # Offload policies first, then remat, then the inputs' tier: one recomputed forward of the
+    # layers costs more than a step's copies of their inputs (no recompute at all, for
+    # offload=none), and less than an update's copies of the optimizer state.
+    candidates = [
+        placed(n, r, tier)
+        for n in names
+        for r in remats
+        if not (r == "none" and n == "params")  # Layer streaming runs inside remat.
+        for tier in (inputs if r != "none" and inputs_offloadable else (DEVICE,))
+        if not (r == "none" and config.offload.activations == "host")
+    ]
     for plan in candidates:
         if plan.fits():
             if not plan.offloads_optimizer:
@@ -668,8 +680,9 @@ def make_plan(
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
-    fixes += ["more remat (config.model.remat)"]
-    if HOST not in inputs and inputs_offloadable and config.model.remat != "none":
+    if plan.remat != "full":
+        fixes += ["more remat (config.model.remat=auto or full)"]
+    if HOST not in inputs and inputs_offloadable:
         fixes += ["config.offload.activations=auto or host"]
     if policy != "auto":
         fixes += ["config.offload.policy=auto"]
@@ -679,6 +692,17 @@ def make_plan(
         f"config.offload.policy={policy}: the model states do not fit ({need} per device); "
         f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
     )
+
+
+def _remats(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The remat policies a plan may take: config.model.remat's, or with auto
+    remat.AUTO_REMATS (without dots_attention where the attention is not cuDNN's: there it
+    keeps what dots_no_batch does)."""
+    m = config.model
+    if m.remat != "auto":
+        return (m.remat,)
+    cudnn = resolve_attention(m, jax.default_backend()) == "cudnn"
+    return tuple(r for r in AUTO_REMATS if r != "dots_attention" or cudnn)
 
 
 def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
@@ -776,7 +800,9 @@ def check_compiled(plan: Plan, memory) -> int:
         fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
         if not plan.layer_inputs_on_host:
             fixes += ["config.offload.activations=host (with remat)"]
-        fixes += ["more remat (config.model.remat)", "a smaller batch or model", "more devices"]
+        if plan.remat != "full":
+            fixes += ["more remat (config.model.remat=auto or full)"]
+        fixes += ["a smaller batch or model", "more devices"]
         raise CompiledTooLarge(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "
             f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "
