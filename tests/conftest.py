@@ -1,16 +1,28 @@
 """Tests run on 8 emulated CPU devices; the flags must be set before JAX is imported.
 
 The tests' models are tiny, so compiling dominates their time: LLVM's optimisation level 0
-compiles about a third faster (the MoE expert-parallel test: 29 s -> 18 s) and changes no HLO.
+compiles about a third faster (the MoE expert-parallel test: 29 s -> 18 s) and changes no HLO,
+and one persistent compilation cache for the run compiles each program once, though many
+tests build the same reference runs (tests/test_offload.py: 348 s -> 201 s on 2 workers). The
+cache's key is the program and the compile options, so a test never gets another's program;
+launcher subprocesses inherit it.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # A fresh one per run, removed after it.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="angel-jax-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax  # noqa: E402
 
@@ -18,17 +30,6 @@ jax.config.update("jax_threefry_partitionable", True)
 
 
 import pytest  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def compile_cache_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for launcher subprocesses that share one persistent compilation cache, so
-    restarts and repeated runs of one program compile it once."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    }
 
 
 def hf_reference(test):

@@ -25,8 +25,11 @@ SMALL = [
 ]
 
 
-def env(devices: int, cache: dict[str, str], faults: str = "") -> dict[str, str]:
-    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **cache)
+def env(devices: int, faults: str = "") -> dict[str, str]:
+    """The environment of a launcher subprocess: `devices` CPU devices, the faults to inject,
+    and the test run's compilation cache (tests/conftest.py), so restarts and repeated runs
+    of one program compile it once."""
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     # Unoptimised CPU code compiles in two thirds of the time; these runs are a few steps.
     e["XLA_FLAGS"] = (
         f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"

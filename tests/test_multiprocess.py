@@ -19,7 +19,7 @@ ARGS = [
 NAN_BATCH = "nan@5"
 
 
-def launch_all(workdir, n: int, args, cache, faults="") -> list[tuple[int, str]]:
+def launch_all(workdir, n: int, args, faults="") -> list[tuple[int, str]]:
     """Runs `n` launcher processes of one run; (exit status, stderr) of each."""
     port = portpicker.pick_unused_port()
     flags = [f"--coordinator=localhost:{port}", f"--num-processes={n}"]
@@ -28,7 +28,7 @@ def launch_all(workdir, n: int, args, cache, faults="") -> list[tuple[int, str]]
             "angel_jax.launch",
             workdir,
             [*flags, f"--process-id={i}", *args],
-            env(2, cache, faults),
+            env(2, faults),
         )
         for i in range(n)
     ]
@@ -40,24 +40,22 @@ def launch_all(workdir, n: int, args, cache, faults="") -> list[tuple[int, str]]
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, compile_cache_env):
+def one_process(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("one")
-    result = run("angel_jax.launch", workdir, ARGS, env(4, compile_cache_env, NAN_BATCH))
+    result = run("angel_jax.launch", workdir, ARGS, env(4, NAN_BATCH))
     assert result.returncode == 0, result.stderr
     assert "rolled back to step 4" in result.stderr
     return workdir
 
 
-def test_two_processes_roll_back_crash_resume_and_match_one(
-    tmp_path, one_process, compile_cache_env
-):
+def test_two_processes_roll_back_crash_resume_and_match_one(tmp_path, one_process):
     """Both processes roll back at the NaN batch, die by SIGKILL at step 7 and resume from their
     last checkpoint; every step's loss equals the single process's (4 devices)."""
     faults = f"{NAN_BATCH},crash@7"
-    first = launch_all(tmp_path, 2, ARGS, compile_cache_env, faults)
+    first = launch_all(tmp_path, 2, ARGS, faults)
     assert [code for code, _ in first] == [-9, -9], first[0][1][-3000:]
     assert "distributed: 2 processes (flags)" in first[0][1]
-    second = launch_all(tmp_path, 2, ARGS, compile_cache_env, faults)
+    second = launch_all(tmp_path, 2, ARGS, faults)
     assert [code for code, _ in second] == [0, 0], second[0][1][-2000:] + second[1][1][-2000:]
     assert "resumed from" in second[0][1]
     assert losses(tmp_path) == losses(one_process)
@@ -69,13 +67,13 @@ def test_two_processes_roll_back_crash_resume_and_match_one(
         assert all(e["to_step"] == 4 and e["data_index"] == 5 for e in rollbacks)
 
 
-def test_four_processes_match_one(tmp_path, compile_cache_env):
+def test_four_processes_match_one(tmp_path):
     """data=4 across four processes, tensor=2 inside each, against one process of 8 devices
     (to float rounding: the data all-reduce of four adds in another order)."""
     args = [*SMALL, "--config.train.steps=2", "--config.mesh.data=4", "--config.mesh.tensor=2"]
-    single = run("angel_jax.launch", tmp_path / "one", args, env(8, compile_cache_env))
+    single = run("angel_jax.launch", tmp_path / "one", args, env(8))
     assert single.returncode == 0, single.stderr
-    results = launch_all(tmp_path / "four", 4, args, compile_cache_env)
+    results = launch_all(tmp_path / "four", 4, args)
     assert [code for code, _ in results] == [0] * 4, results[0][1][-2000:]
     assert [p.name for p in (tmp_path / "four" / "checkpoints").iterdir()] == ["2"]
     four, one = losses(tmp_path / "four"), losses(tmp_path / "one")

@@ -475,7 +475,13 @@ def test_hybrid_share_is_spread_over_the_update():
     and the device work from its start."""
     gib = 2**30
     plan = planner.Plan(
-        "optimizer", "none", {}, {"master params": 4 * gib, "optimizer state": 8 * gib}, {}, 2**30, 1
+        "optimizer",
+        "none",
+        {},
+        {"master params": 4 * gib, "optimizer state": 8 * gib},
+        {},
+        2**30,
+        1,
     )
     chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]
     out = planner._with_cpu_update(plan, 0.25, chunks)

@@ -29,9 +29,9 @@ NAN_BATCH = "nan@3"  # A data fault: the third batch is damaged whenever it is r
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, compile_cache_env):
+def reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reference")
-    result = run("angel_jax.launch", workdir, ARGS, env(4, compile_cache_env, NAN_BATCH))
+    result = run("angel_jax.launch", workdir, ARGS, env(4, NAN_BATCH))
     assert result.returncode == 0, result.stderr
     got = losses(workdir)
     assert sorted(got) == list(range(1, 9)) and got[3] == "nan"
@@ -40,9 +40,7 @@ def reference(tmp_path_factory, compile_cache_env):
 
 
 @pytest.mark.parametrize("seed, hang", [(0, True), (1, False)])
-def test_supervisor_recovers_from_kills_and_hangs(
-    tmp_path, reference, compile_cache_env, seed, hang
-):
+def test_supervisor_recovers_from_kills_and_hangs(tmp_path, reference, seed, hang):
     rng = np.random.default_rng(seed)
     crash, hang_at = (int(s) for s in rng.integers(2, 8, size=2))
     cut_save = int(rng.choice([2, 4, 6]))
@@ -51,7 +49,7 @@ def test_supervisor_recovers_from_kills_and_hangs(
         "angel_jax.supervise",
         tmp_path,
         ["--restart-delay-s=0", *ARGS],
-        env(4, compile_cache_env, faults),
+        env(4, faults),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(tmp_path) == reference
