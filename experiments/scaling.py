@@ -4,7 +4,7 @@ one GPU up, then the named runs at the largest count, each in its own process.
     python experiments/scaling.py [--gpus 1,2,4,8] [--only weak,...] [--out FILE]
     python experiments/scaling.py --cpu --gpus 1,2,4 --config configs/tiny.py  # emulated
     python experiments/scaling.py --gpus 1,2 --only weak --zero-stage 3 \
-        --collectives "default,combined 256 MiB,pipelined"  # the weak runs per XLA setting
+        --collectives "default,pipelined,prefetch + latency hiding"  # weak runs per setting
 
 Weak scaling efficiency at n GPUs is tokens/s(n) / (n x tokens/s(1)). At the largest count
 (`n`): `llama3_8b` with ZeRO-3 over all, tensor=2 x data, pipeline=2 x data; the MoE with
@@ -17,11 +17,24 @@ import json
 import pathlib
 import sys
 
-from throughput import COMBINE_256MIB, PIPELINED, ROOT, print_table, run_ours, write_results
+from throughput import (
+    COMBINE_256MIB,
+    LATENCY_HIDING,
+    PIPELINED,
+    ROOT,
+    print_table,
+    run_ours,
+    write_results,
+)
 
 CONFIGS = ROOT / "configs"
 # XLA settings of the collectives for the weak runs on more than one GPU (`--collectives`).
-COLLECTIVES = {"default": "", "combined 256 MiB": COMBINE_256MIB, "pipelined": PIPELINED}
+COLLECTIVES = {
+    "default": "",
+    "combined 256 MiB": COMBINE_256MIB,
+    "pipelined": PIPELINED,
+    "prefetch + latency hiding": LATENCY_HIDING,
+}
 
 
 def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:

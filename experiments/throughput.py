@@ -43,6 +43,18 @@ COMBINE_256MIB = " ".join(
 PIPELINED = " ".join(
     f"--xla_gpu_enable_pipelined_{c}=true" for c in ("all_gather", "reduce_scatter", "all_reduce")
 )
+# Pipelined collectives (XLA's collective pipeliner moves each layer's ZeRO-3 all-gather into
+# the scan's iteration before: a per-layer prefetch), the layer loop unrolled by two so the
+# prefetched weights have a buffer of their own, the latency-hiding scheduler placing the
+# asynchronous collectives against compute, and their stream first in line.
+LATENCY_HIDING = " ".join(
+    [
+        PIPELINED,
+        "--xla_gpu_enable_while_loop_double_buffering=true",
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+        "--xla_gpu_enable_highest_priority_async_stream=true",
+    ]
+)
 # Settings tried against the default (`--sweep`): what each buys goes into the GPU configs.
 SWEEP = [
     ("angel-jax", [], ""),

@@ -127,3 +127,24 @@ ENTRY %main (a: bf16[8,4], b: f8e4m3fn[2,4]) -> bf16[4,4] {
 """
     counts = throughput.collective_bytes(hlo)
     assert counts == {"reduce-scatter": [1, 4 * 4 * 2], "all-gather": [1, 4 * 4]}
+
+
+def test_every_xla_setting_the_benchmarks_try_is_a_flag_of_this_xla():
+    """XLA renames and drops flags between releases, and an unknown one in XLA_FLAGS aborts the
+    process: each setting `scaling.py --collectives` and `throughput.py --sweep` try starts a
+    JAX process here (the GPU flags are parsed on the CPU too)."""
+    import os
+    import subprocess
+
+    import scaling
+
+    flags = {
+        f
+        for s in [*scaling.COLLECTIVES.values(), *(v[2] for v in throughput.SWEEP)]
+        for f in s.split()
+    }
+    assert any("latency_hiding" in f for f in flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(sorted(flags)))
+    code = "import jax.numpy as jnp; print(float(jnp.ones(2).sum()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "2.0", proc.stderr[-2000:]
