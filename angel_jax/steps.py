@@ -33,6 +33,8 @@ class _Step:
         self.replicated = NamedSharding(exp.mesh, P())
         self._ceiling = {}  # The loss ceiling's device copy, made again only when it changes.
         self.pending = None  # An update that waits (`OffloadedStep`'s delayed update).
+        # The last checked program's temporaries beyond the plan's estimate (`check_compiled`).
+        self.beyond_estimate = 0
 
     def abstract_batch(self):
         t = self.exp.config.train
@@ -55,7 +57,7 @@ class _Step:
     def checked(self, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
         """`compiled`, once its memory is checked against the plan (see `compile`)."""
         if self.checks_compiled:
-            check_compiled(self.exp.plan, compiled.memory_analysis())
+            self.beyond_estimate = check_compiled(self.exp.plan, compiled.memory_analysis())
         return compiled
 
     @property

@@ -297,6 +297,15 @@ BREAKS = [
         ],
     ),
     (
+        "auto remat never tries a faster one",
+        "angel_jax/train.py",
+        "    return _with_a_faster_remat(config, mesh, exp) if picks_remat and not extra else exp",
+        "    return exp",
+        [
+            "tests/test_offload.py::test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room"
+        ],
+    ),
+    (
         "last update's groups not counted in flight",
         "angel_jax/offload/stream.py",
         "while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:",

@@ -12,7 +12,8 @@ States, per device (after ZeRO and tensor sharding):
   activations     (the rest, an estimate from the remat policy; on the device, or offloaded
                    to pinned host memory by the `offload_dots` remat policy)
 config.model.remat=auto: the fastest remat policy (remat.AUTO_REMATS, in their order) with
-which the policy's plan fits, tried for each offload policy in turn (none first).
+which the policy's plan fits, tried for each offload policy (none first) and layer inputs'
+tier (the device first) in turn.
 Each state lives in exactly one tier. Policies:
   none       everything on the device (the fp32 masters are also the compute params);
   optimizer  master params + optimizer state in pinned host memory, a compute-dtype copy of the
@@ -509,7 +510,7 @@ def make_plan(
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    remats = _remats(config)
+    remats = remat_choices(config)
     extra = extra_activations or {}
     activations = {r: activation_bytes(config, mesh, r) for r in remats}
     for r in remats:
@@ -640,16 +641,18 @@ def make_plan(
             "config.offload.policy=params streams layer weights inside remat: set "
             "config.model.remat (e.g. full, dots_no_batch or auto), not none"
         )
-    # Offload policies first, then remat, then the inputs' tier: one recomputed forward of the
-    # layers costs more than a step's copies of their inputs (no recompute at all, for
-    # offload=none), and less than an update's copies of the optimizer state.
+    # Offload policies first, then the inputs' tier, then remat: on the H200 the layer inputs'
+    # copies cost more than the attention forward that dots_attention spares, and about what
+    # full remat costs (llama_1b at 48 x 2048: dots_no_batch 1.38 s a step, dots_attention
+    # with the inputs in host memory 1.55, full 1.57; remat_auto_llama_1b.json), and less than
+    # an update's copies of the optimizer state.
     candidates = [
         placed(n, r, tier)
         for n in names
+        for tier in inputs
         for r in remats
         if not (r == "none" and n == "params")  # Layer streaming runs inside remat.
-        for tier in (inputs if r != "none" and inputs_offloadable else (DEVICE,))
-        if not (r == "none" and config.offload.activations == "host")
+        if tier == DEVICE or (r != "none" and inputs_offloadable)
     ]
     for plan in candidates:
         if plan.fits():
@@ -694,7 +697,7 @@ def make_plan(
     )
 
 
-def _remats(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+def remat_choices(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     """The remat policies a plan may take: config.model.remat's, or with auto
     remat.AUTO_REMATS (without dots_attention where the attention is not cuDNN's: there it
     keeps what dots_no_batch does)."""
