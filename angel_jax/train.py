@@ -24,7 +24,7 @@ from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
 from angel_jax.offload import planner
-from angel_jax.offload.planner import CompiledTooLarge, Plan, check_compiled
+from angel_jax.offload.planner import CompiledTooLarge, Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
 from angel_jax.offload.stream import (
@@ -299,8 +299,7 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
     """`exp`, or planned again with its compiled step's temporaries when they came in under
     the estimate and the room left lets the plan keep more on the device for the same
     program."""
-    plan = exp.plan
-    excess = check_compiled(plan, exp.steps.grad_step.memory_analysis())
+    plan, excess = exp.plan, exp.steps.beyond_estimate  # Of the step compiled in `build`.
     # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
     if excess >= 0 or not (config.offload.policy == "auto" or not plan.copies_beside_step):
         return exp
