@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(
                     f"--prompt-tokens {args.prompt_tokens}: give comma-separated token ids"
                 ) from None
-        exp = build(config, make_mesh(config.mesh))
+        exp = build(config, make_mesh(config.mesh), fit_compiled=False)  # No train step runs.
         params = load_params_for(exp, args.checkpoint)
         tokens = generate(exp, params, prompt, args.steps, args.temperature, args.top_k, args.seed)
     except ConfigError as e:

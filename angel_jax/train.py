@@ -227,7 +227,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
         return exp
     if not (exp.plan.offloads_optimizer or picks_remat):
         return exp
-    extra: dict[str, int] = {}  # Remat policy -> what its compiled step took beyond the estimate.
+    # (Offloads the optimizer, remat policy) -> what that compiled step took beyond the estimate.
+    extra: dict[tuple[bool, str], int] = {}
     for attempt in range(_MOST_PLANS):
         try:
             # The program the loop runs: compiled and checked against the plan.
@@ -236,16 +237,17 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
         except CompiledTooLarge as e:
             if attempt == _MOST_PLANS - 1:
                 raise
-            before, remat = exp, exp.plan.remat
-            extra[remat] = extra.get(remat, 0) + e.beyond_estimate
+            before, key = exp, (exp.plan.offloads_optimizer, exp.plan.remat)
+            extra[key] = extra.get(key, 0) + e.beyond_estimate
             exp = _build(config, mesh, extra)
+            now = f"policy {exp.plan.policy}, remat {exp.plan.remat}"
             if before.plan.offloads_optimizer and exp.plan.offloads_optimizer:
                 exp.steps.reuse_grad_step(before.steps)  # The same program: not compiled again.
+                now += f", {len(exp.plan.resident)} chunks resident on the device, not "
+                now += str(len(before.plan.resident))
             print(
-                f"the compiled step (remat {remat}) took {e.beyond_estimate / 2**30:.1f} GiB "
-                f"more temporaries than the plan's estimate: planned again with them (policy "
-                f"{exp.plan.policy}, remat {exp.plan.remat}, {len(exp.plan.resident)} chunks "
-                f"resident on the device, not {len(before.plan.resident)})",
+                f"the compiled step (remat {key[1]}) took {e.beyond_estimate / 2**30:.1f} GiB "
+                f"more temporaries than the plan's estimate: planned again with them ({now})",
                 file=sys.stderr,
             )
     if exp.plan.offloads_optimizer:
@@ -268,7 +270,7 @@ def _with_a_faster_remat(config: ml_collections.ConfigDict, mesh: Mesh, exp: Exp
         return exp
     scale = max(0.0, (activations + excess) / activations)
     extra = {
-        r: int((scale - 1) * planner.activation_bytes(config, mesh, r)["activations"])
+        (False, r): int((scale - 1) * planner.activation_bytes(config, mesh, r)["activations"])
         for r in faster
     }
     for _ in faster:
@@ -278,7 +280,7 @@ def _with_a_faster_remat(config: ml_collections.ConfigDict, mesh: Mesh, exp: Exp
         try:
             _ = again.loop_step  # Compiled and checked against the plan.
         except CompiledTooLarge as e:
-            extra[again.plan.remat] += e.beyond_estimate
+            extra[False, again.plan.remat] += e.beyond_estimate
             print(
                 f"remat {again.plan.remat}, tried in the room remat {plan.remat}'s compiled "
                 f"step left, took {e.beyond_estimate / 2**30:.1f} GiB more than its scaled "
@@ -303,7 +305,7 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
     # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
     if excess >= 0 or not (config.offload.policy == "auto" or not plan.copies_beside_step):
         return exp
-    again = _build(config, mesh, {plan.remat: excess})
+    again = _build(config, mesh, {(True, plan.remat): excess})
     more = len(again.plan.resident) > len(plan.resident) or (
         again.plan.copies_beside_step and not plan.copies_beside_step
     )
@@ -322,7 +324,9 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
 
 
 def _build(
-    config: ml_collections.ConfigDict, mesh: Mesh, extra_activations: dict[str, int] | None = None
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+    extra_activations: dict[tuple[bool, str], int] | None = None,
 ) -> Experiment:
     validate(config)
     if config.init_from_hf:  # The checkpoint decides the architecture.
@@ -354,7 +358,15 @@ def _build(
     # The pipeline's stage planner keeps its own activation model: inputs stay on the device.
     offloadable = family.offloads_layer_inputs and not pipeline
     layout = make_state_layout(
-        config, mesh, rules, boxed["params"], optimizer, to_stages, offloadable, extra_activations
+        config,
+        mesh,
+        rules,
+        boxed["params"],
+        optimizer,
+        to_stages,
+        offloadable,
+        extra_activations,
+        remat=pipeline.remat if pipeline else None,  # The stages' pick, under a pipeline.
     )
     if not pipeline:
         model_config = dataclasses.replace(model_config, remat=layout.plan.remat)

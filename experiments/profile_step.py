@@ -301,7 +301,9 @@ def main() -> int:
     from angel_jax.mesh import make_mesh
     from angel_jax.train import build
 
-    config = load_config(a.config, ["--config.data.synthetic=true", *a.overrides])
+    # The anomaly guard off: `build` checks the step the loop runs, here the one traced.
+    base = ["--config.data.synthetic=true", "--config.monitor.on_anomaly=log"]
+    config = load_config(a.config, [*base, *a.overrides])
     exp = build(config, make_mesh(config.mesh))
     train_step = exp.train_step
     # An offloaded step is a forward/backward program, then the streamed update's programs.

@@ -18,9 +18,11 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # A fresh one per run, removed after it.
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="angel-jax-tests-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# A fresh cache per run (never the user's own), made by the first process, removed after it.
+if "ANGEL_JAX_TESTS_CACHE" not in os.environ:
+    os.environ["ANGEL_JAX_TESTS_CACHE"] = tempfile.mkdtemp(prefix="angel-jax-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["ANGEL_JAX_TESTS_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["ANGEL_JAX_TESTS_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 

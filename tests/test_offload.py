@@ -296,8 +296,13 @@ def test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room(monkey
         model__remat="auto", offload__device_gib=usable / planner.USABLE / 2**30, **kw
     )
     assert build(config, mesh, fit_compiled=False).plan.remat == "full"
+    compiles = []
+    compile = jax.stages.Lowered.compile
+    counted = lambda self, *args, **kw: compiles.append(self) or compile(self, *args, **kw)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
     exp, _, losses = train(config)
     assert exp.plan.remat == exp.model_config.remat == "dots_no_batch"
+    assert len(compiles) == 2  # full's step, then the one trained.
     assert np.isfinite(losses).all()
 
 

@@ -492,7 +492,8 @@ def make_plan(
     stacked,
     inputs_offloadable: bool,
     measure_rates=None,
-    extra_activations: dict[str, int] | None = None,
+    extra_activations: dict[tuple[bool, str], int] | None = None,
+    remat: str | None = None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
@@ -501,8 +502,10 @@ def make_plan(
     `inputs_offloadable`: the model's layers can keep their inputs in host memory;
     `measure_rates`: () -> the rates `hybrid_share` takes (`cpu.measure_rates`), called when
     config.offload.cpu_update is -1 and the plan offloads the optimizer;
-    `extra_activations`: remat policy -> bytes its compiled step's temporaries took beyond
-    the activation estimate (`CompiledTooLarge.beyond_estimate`), added to it.
+    `extra_activations`: (whether the plan offloads the optimizer, remat policy) -> bytes
+    that compiled step's temporaries took beyond the activation estimate
+    (`CompiledTooLarge.beyond_estimate`), added to it; `remat`: the layers' policy where a
+    pipeline's plan picked it (else `remat_choices`).
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -510,24 +513,24 @@ def make_plan(
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    remats = remat_choices(config)
+    remats = (remat,) if remat else remat_choices(config)
     extra = extra_activations or {}
     activations = {r: activation_bytes(config, mesh, r) for r in remats}
-    for r in remats:
-        activations[r]["activations"] += extra.get(r, 0)
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
     in_flight = config.offload.chunks_in_flight
 
     def sizes(name: str, remat: str) -> dict[str, int]:
+        saved = dict(activations[remat])
+        saved["activations"] += extra.get((name != "none", remat), 0)
         if name == "none":  # float32 masters are the compute params; float32 grads.
             return {
                 "compute params": local_bytes(params),
                 "grads": local_bytes(grads),
                 **({"microbatch grads": local_bytes(grads)} if accumulating else {}),
                 "optimizer state": local_bytes(opt),
-                **activations[remat],
+                **saved,
             }
         # Grads come in the compute dtype, or as their float32 sum when accumulating; then
         # each microbatch's, in the compute dtype, live in the step's temporaries.
@@ -541,7 +544,7 @@ def make_plan(
             "master params": local_bytes(offloaded_masters),
             "optimizer state": local_bytes(opt),
             "update chunks": _in_flight_bytes(chunks, in_flight),
-            **activations[remat],
+            **saved,
         }
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
@@ -685,7 +688,7 @@ def make_plan(
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
     if plan.remat != "full":
         fixes += ["more remat (config.model.remat=auto or full)"]
-    if HOST not in inputs and inputs_offloadable:
+    if HOST not in inputs and inputs_offloadable and remats != ("none",):
         fixes += ["config.offload.activations=auto or host"]
     if policy != "auto":
         fixes += ["config.offload.policy=auto"]
