@@ -105,9 +105,9 @@ REMATS = {
 # copy of it per slot).
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
 # What config.model.remat=auto tries, fastest first: the pipeline's policies. Not none: on the
-# H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.1k
-# tokens/s at twice the memory, experiments/throughput.py), its memory traffic costing more
-# than the recompute it spares.
+# H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.4k
+# tokens/s at twice the memory, experiments/results/throughput_llama_1b_2026-11-29.json), its
+# memory traffic costing more than the recompute it spares.
 AUTO_REMATS = STAGE_REMATS
 
 

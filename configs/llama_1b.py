@@ -18,9 +18,10 @@ def get_config():
         num_kv_heads=4,
         ffn_dim=5632,
         vocab_size=32000,
-        # Saving weight matmuls' outputs beat no remat on one H200 (68.1k vs 62.3k tok/s, 30 vs
-        # 65 GiB peak; experiments/throughput.py, 2026-11-29); also saving cuDNN attention's
-        # forward spares the backward pass its rerun (9 ms of a 241 ms step, profile_step.py).
+        # Saving weight matmuls' outputs beat no remat on one H200 (68.4k vs 62.3k tok/s, 30 vs
+        # 65 GiB peak; experiments/results/throughput_llama_1b_2026-11-29.json); also saving
+        # cuDNN attention's forward spares the backward pass its rerun (9 ms of a 241 ms step,
+        # profile_step.py).
         remat="dots_attention",
     )
     c.train.update(steps=1000, batch_size=8, seq_len=2048, lr=3e-4, warmup_steps=100)
