@@ -646,8 +646,8 @@ def make_plan(
         )
     # Offload policies first, then the inputs' tier, then remat: on the H200 the layer inputs'
     # copies cost more than the attention forward that dots_attention spares, and about what
-    # full remat costs (llama_1b at 48 x 2048: dots_no_batch 1.38 s a step, dots_attention
-    # with the inputs in host memory 1.55, full 1.57; remat_auto_llama_1b.json), and less than
+    # full remat costs (llama_1b at 48 x 2048: dots_no_batch 1.40 s a step, dots_attention
+    # with the inputs in host memory 1.55, full 1.56; remat_auto_llama_1b.json), and less than
     # an update's copies of the optimizer state.
     candidates = [
         placed(n, r, tier)
