@@ -11,6 +11,10 @@ Ring attention's blocks need the log-sum-exp out of the forward and a backward t
 ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward's
 `return_residual`, its backward primitive given those residuals); tokamax's Mosaic GPU flash
 kernels too, at 0.81-0.92 of cuDNN's TFLOP/s forward + backward (attention_kernels.json).
+`auto` takes tokamax's first: with cuDNN's blocks, XLA (jax 0.11.2) crashed compiling the
+two-GPU ring step (a segfault in Shardy's canonicalizer, ManualComputationUnusedInputsPattern;
+compiled for two compile-only H200s, experiments/results/two_gpu_compiled_ring_blocks.log),
+where tokamax's compiled.
 Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
 (auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | cudnn | tokamax |
 xla) choose, and `choose` says why auto fell back.
@@ -96,7 +100,8 @@ def resolve_attention(model, backend: str) -> str:
 def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
     """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
     kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes
-    the fastest that runs: for the grouped GEMMs JAX's, then tokamax's."""
+    the first that runs: for the grouped GEMMs JAX's (the fastest), then tokamax's; for the
+    ring's blocks tokamax's, then cuDNN's (see above)."""
     choices = MOE_KERNELS if setting == "moe_kernel" else RING_KERNELS
     if value not in choices:
         raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(choices)}")

@@ -17,6 +17,25 @@ import sys
 from throughput import ROOT, print_table, run_ours, write_results
 
 
+def fp8_variants(devices: int, overrides: list[str]) -> tuple[list[str], list[tuple]]:
+    """(overrides of every variant, [(name, its own overrides)]) on `devices` GPUs."""
+    base = [f"--config.mesh.data={devices}"]
+    if devices > 1:
+        base.append("--config.zero_stage=3")
+    base += overrides  # Last, so that they win.
+    variants = [
+        ("bf16", []),
+        ("fp8 matmul", ["--config.fp8.matmul=true"]),
+        ("fp8 matmul + lm head", ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]),
+    ]
+    if devices > 1:
+        variants += [
+            ("fp8 collectives", ["--config.fp8.collectives=true"]),
+            ("fp8 both", ["--config.fp8.matmul=true", "--config.fp8.collectives=true"]),
+        ]
+    return base, variants
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
@@ -26,20 +45,7 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated variant names to run")
     p.add_argument("overrides", nargs="*", help="config overrides for every variant, after --")
     a = p.parse_args()
-    base = [f"--config.mesh.data={a.devices}"]
-    if a.devices > 1:
-        base.append("--config.zero_stage=3")
-    base += a.overrides  # Last, so that they win.
-    variants = [
-        ("bf16", []),
-        ("fp8 matmul", ["--config.fp8.matmul=true"]),
-        ("fp8 matmul + lm head", ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]),
-    ]
-    if a.devices > 1:
-        variants += [
-            ("fp8 collectives", ["--config.fp8.collectives=true"]),
-            ("fp8 both", ["--config.fp8.matmul=true", "--config.fp8.collectives=true"]),
-        ]
+    base, variants = fp8_variants(a.devices, a.overrides)
     only = set(filter(None, a.only.split(",")))
     results = []
     for name, overrides in variants:

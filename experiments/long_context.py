@@ -23,6 +23,27 @@ import sys
 from throughput import ROOT, run_ours, write_results
 
 
+def run_overrides(
+    length: int, context: int, sequence: int, ring_blocks="auto", mlp_chunks=1, activations="auto"
+) -> list[str]:
+    """One sequence of `length` tokens over context x sequence devices, remat full."""
+    devices = context * sequence
+    return [
+        f"--config.train.seq_len={length}",
+        "--config.train.batch_size=1",
+        f"--config.mesh.context={context}",
+        f"--config.mesh.sequence={sequence}",
+        "--config.mesh.data=1",
+        "--config.model.remat=full",
+        # About 8k positions per slice of logits (32000 x 8192 x 4 bytes = 1 GiB).
+        f"--config.model.logits_chunks={max(1, length // devices // 8192)}",
+        f"--config.model.ring_blocks={ring_blocks}",
+        f"--config.model.mlp_chunks={mlp_chunks}",
+        f"--config.offload.activations={activations}",
+        "--config.checkpoint.every_steps=0",
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
@@ -40,20 +61,9 @@ def main() -> int:
     args = p.parse_args()
     results, length, devices = [], args.start, args.context * args.sequence
     while length <= args.max:
-        overrides = [
-            f"--config.train.seq_len={length}",
-            "--config.train.batch_size=1",
-            f"--config.mesh.context={args.context}",
-            f"--config.mesh.sequence={args.sequence}",
-            "--config.mesh.data=1",
-            "--config.model.remat=full",
-            # About 8k positions per slice of logits (32000 x 8192 x 4 bytes = 1 GiB).
-            f"--config.model.logits_chunks={max(1, length // devices // 8192)}",
-            f"--config.model.ring_blocks={args.ring_blocks}",
-            f"--config.model.mlp_chunks={args.mlp_chunks}",
-            f"--config.offload.activations={args.activations}",
-            "--config.checkpoint.every_steps=0",
-        ]
+        overrides = run_overrides(
+            length, args.context, args.sequence, args.ring_blocks, args.mlp_chunks, args.activations
+        )
         steps = -1 if args.compile_only else args.steps
         result = run_ours(args.config, overrides, steps=steps, warmup=args.warmup)
         results.append(

@@ -20,6 +20,53 @@ import sys
 from throughput import ROOT, print_table, run_ours, write_results
 
 
+def moe_runs(
+    expert: int,
+    batch_per_device: int,
+    routers: str,
+    dispatch_chunks: str,
+    kernels: str,
+    overrides: list[str],
+) -> list[tuple[str, str, list[str]]]:
+    """(name, config, overrides) of each router's run (comma-separated arguments, as the
+    flags give them) and of the dense twin."""
+    sys.path.insert(0, str(ROOT))
+    from angel_jax.config import load_config
+
+    moe = load_config(str(ROOT / "configs/moe_1b.py"), []).model
+    active_ffn = (moe.experts_per_token + moe.shared_experts) * moe.moe_ffn_dim
+    batch = [f"--config.train.batch_size={batch_per_device * expert}", *overrides]
+    runs = []
+    for router in routers.split(","):
+        dropless = router == "dropless"
+        for chunks in ["1"] if dropless else dispatch_chunks.split(","):
+            for kernel in kernels.split(",") if dropless else ["auto"]:
+                label = f" ({kernel})"
+                runs.append(
+                    (
+                        f"moe_1b {router}{label if dropless else ''} expert={expert}"
+                        + (f" chunks={chunks}" if chunks != "1" else ""),
+                        "configs/moe_1b.py",
+                        [
+                            *batch,
+                            f"--config.model.router={router}",
+                            f"--config.model.moe_dispatch_chunks={chunks}",
+                            f"--config.model.moe_kernel={kernel}",
+                            f"--config.mesh.expert={expert}",
+                            "--config.mesh.data=1",
+                        ],
+                    )
+                )
+    runs.append(
+        (
+            f"dense twin (ffn {active_ffn}) data={expert}",
+            "configs/llama_1b.py",
+            [*batch, f"--config.model.ffn_dim={active_ffn}", f"--config.model.remat={moe.remat}"],
+        )
+    )
+    return runs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--expert", type=int, default=1)
@@ -40,40 +87,8 @@ def main() -> int:
     p.add_argument("overrides", nargs="*", help="config overrides for every run, after --")
     p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
     a = p.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from angel_jax.config import load_config
-
-    moe = load_config(str(ROOT / "configs/moe_1b.py"), []).model
-    active_ffn = (moe.experts_per_token + moe.shared_experts) * moe.moe_ffn_dim
-    batch = [f"--config.train.batch_size={a.batch_per_device * a.expert}", *a.overrides]
-    runs = []
-    for router in a.routers.split(","):
-        dropless = router == "dropless"
-        for chunks in ["1"] if dropless else a.dispatch_chunks.split(","):
-            kernels = a.moe_kernels.split(",") if dropless else ["auto"]
-            for kernel in kernels:
-                label = f" ({kernel})"
-                runs.append(
-                    (
-                        f"moe_1b {router}{label if dropless else ''} expert={a.expert}"
-                        + (f" chunks={chunks}" if chunks != "1" else ""),
-                        "configs/moe_1b.py",
-                        [
-                            *batch,
-                            f"--config.model.router={router}",
-                            f"--config.model.moe_dispatch_chunks={chunks}",
-                            f"--config.model.moe_kernel={kernel}",
-                            f"--config.mesh.expert={a.expert}",
-                            "--config.mesh.data=1",
-                        ],
-                    )
-                )
-    runs.append(
-        (
-            f"dense twin (ffn {active_ffn}) data={a.expert}",
-            "configs/llama_1b.py",
-            [*batch, f"--config.model.ffn_dim={active_ffn}", f"--config.model.remat={moe.remat}"],
-        )
+    runs = moe_runs(
+        a.expert, a.batch_per_device, a.routers, a.dispatch_chunks, a.moe_kernels, a.overrides
     )
     results = []
     for name, config, overrides in runs:

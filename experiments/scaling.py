@@ -91,6 +91,12 @@ def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
     ]
 
 
+def weak_overrides(n: int, zero_stage: int | None) -> list[str]:
+    """A weak-scaling run's overrides at n GPUs: 8 sequences per GPU over `data`."""
+    zero = [] if zero_stage is None else [f"--config.zero_stage={zero_stage}"]
+    return [f"--config.mesh.data={n}", f"--config.train.batch_size={8 * n}", *zero]
+
+
 def devices_env(n: int, cpu: bool) -> tuple[str, dict]:
     """(XLA flags, environment) that make a child see n devices."""
     if cpu:
@@ -105,14 +111,16 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    settings = dict.fromkeys(r.get("collectives") for r in results if r.get("group") == "weak")
+    settings = dict.fromkeys(
+        r.get("collective_setting") for r in results if r.get("group") == "weak"
+    )
     for setting in settings:
         weak = [
             r
             for r in results
             if r.get("group") == "weak"
             and "efficiency" in r
-            and r.get("collectives") in (setting, "default")
+            and r.get("collective_setting") in (setting, "default")
         ]
         label = "llama_1b" + ("" if setting == "default" else f", {setting}")
         ax.plot([r["gpus"] for r in weak], [r["efficiency"] for r in weak], "o-", label=label)
@@ -155,12 +163,11 @@ def main() -> int:
     for setting in settings:
         if setting not in COLLECTIVES:
             p.error(f"--collectives: {setting!r} is none of {', '.join(COLLECTIVES)}")
-    zero = [] if a.zero_stage is None else [f"--config.zero_stage={a.zero_stage}"]
     if not only or "weak" in only:
         for n in counts:
             for setting in settings if n > 1 else ["default"]:  # One GPU: no collectives.
                 flags, env = devices_env(n, a.cpu)
-                overrides = [f"--config.mesh.data={n}", f"--config.train.batch_size={8 * n}", *zero]
+                overrides = weak_overrides(n, a.zero_stage)
                 flags = f"{flags} {COLLECTIVES[setting]}".strip()
                 r = run_ours(a.config, overrides, a.steps, 2, flags, env)
                 one = next((x for x in results if x.get("gpus") == 1 and "tokens_per_s" in x), None)
@@ -168,7 +175,7 @@ def main() -> int:
                     r["efficiency"] = r["tokens_per_s"] / (n * one["tokens_per_s"])
                 name = f"weak data={n}" + (f", collectives {setting}" if n > 1 else "")
                 record(
-                    {**r, "system": name, "group": "weak", "gpus": n, "collectives": setting}
+                    {**r, "system": name, "group": "weak", "gpus": n, "collective_setting": setting}
                     | {"overrides": overrides, "xla_flags": flags}
                 )
     n = max(counts)

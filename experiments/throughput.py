@@ -103,9 +103,12 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     # The anomaly guard off: `build` checks the step the loop runs, here the one timed.
     base = ["--config.data.synthetic=true", "--config.monitor.on_anomaly=log"]
     config = load_config(config_path, [*base, *overrides])
+    compile_for = int(os.environ.get("COMPILE_FOR_DEVICES") or 0)
+    devices = compile_only_devices(compile_for) if compile_for else None
+    steps = -1 if compile_for else steps  # Compile-only devices run nothing.
     start = time.perf_counter()
     # An offloading plan's step may be compiled here, and the plan made again with it.
-    exp = build(config, make_mesh(config.mesh))
+    exp = build(config, make_mesh(config.mesh, devices))
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
@@ -128,7 +131,10 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     )
     if steps < 0:
         t = config.train
-        return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan)
+        compiled = program_report(program, overrides)
+        if compile_for:
+            compiled["compiled_for_devices"] = compile_for
+        return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan, **compiled)
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     warmup_losses = []  # Same data every run: lets variants be checked against each other.
@@ -145,16 +151,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
-    kernels, collectives = {}, {}
-    if hasattr(program, "as_text"):
-        text = program.as_text()
-        kernels = custom_calls(text)
-        collectives = collective_bytes(text)
-        if os.environ.get("THROUGHPUT_HLO_DIR"):  # For reading which kernels ran, later.
-            name = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(overrides))[-120:]
-            path = pathlib.Path(os.environ["THROUGHPUT_HLO_DIR"]) / f"{name}.hlo.txt.gz"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(gzip.compress(text.encode()))
+    compiled = program_report(program, overrides)
     if steps == 0:  # The broken-down step is the timed one.
         step_s = breakdown["compute_s"] + breakdown["update_s"]
     loss = float(metrics["loss"])
@@ -172,10 +169,43 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,
-        kernels=kernels,
-        collectives=collectives,
+        kernels=compiled.get("kernels", {}),
+        collectives=compiled.get("collectives", {}),
         **breakdown,
     )
+
+
+def program_report(program, overrides: list[str]) -> dict:
+    """What a compiled step holds: its kernels, its collectives' bytes and how XLA scheduled
+    them; its HLO text is written to THROUGHPUT_HLO_DIR when set (for reading them later)."""
+    if not hasattr(program, "as_text"):  # The guarded step: a function around a program.
+        return {}
+    text = program.as_text()
+    if os.environ.get("THROUGHPUT_HLO_DIR"):
+        name = re.sub(r"[^A-Za-z0-9]+", "_", " ".join(overrides))[-120:]
+        path = pathlib.Path(os.environ["THROUGHPUT_HLO_DIR"]) / f"{name}.hlo.txt.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress(text.encode()))
+    return dict(
+        kernels=custom_calls(text),
+        collectives=collective_bytes(text),
+        collective_schedule=collective_schedule(text),
+    )
+
+
+def compile_only_devices(n: int) -> list:
+    """n of JAX's compile-only devices of this machine's GPU kind, as one host's (a described
+    topology): a program for n GPUs compiles here from shapes, with that many fewer GPUs (or
+    one), and nothing of it runs."""
+    import jax
+    from jax.experimental import topologies
+
+    if jax.default_backend() != "gpu":
+        raise SystemExit(
+            f"COMPILE_FOR_DEVICES={n}: compile-only devices are described for CUDA GPUs, and "
+            f"this backend is {jax.default_backend()}; run it on a GPU machine"
+        )
+    return topologies.get_topology_desc("compile-only", "cuda", topology=f"1x1x{n}").devices
 
 
 def timed(fn, *args, reps=10) -> float:
@@ -207,16 +237,12 @@ def _hlo_bytes(dtype: str, dims: str) -> float:
     return size / 8 * math.prod(int(d) for d in dims.split(",") if d)
 
 
-def collective_bytes(hlo_text: str) -> dict:
-    """{collective: [count, bytes]} that a compiled program's collectives produce per device in
-    one run: each op's result (a gather's gathered array, a reduce-scatter's shard, an
-    all-reduce's buffer; asynchronous ones at their -done, or once inside the computation an
-    async-start calls), times the trip counts of the loops around it (XLA's
-    known_trip_count), so a scan over layers counts each layer's gather. On the wire each
-    device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards and 2(n-1)/n of
-    an all-reduce's buffer."""
-    calls: dict[str, list] = collections.defaultdict(list)  # computation -> [(callee, times)]
-    ops: dict[str, list] = collections.defaultdict(list)  # computation -> [(kind, bytes)]
+def _hlo_graph(hlo_text: str):
+    """(entry computation, {computation: [(callee, trips, a loop's body)]}, {computation:
+    [instruction lines]}) of a compiled program's HLO text: the calls, with the trip counts of
+    the loops making them (XLA's known_trip_count), and each computation's instructions."""
+    calls: dict[str, list] = collections.defaultdict(list)
+    lines: dict[str, list] = collections.defaultdict(list)
     entry, name = None, None
     for line in hlo_text.splitlines():
         header = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
@@ -226,28 +252,74 @@ def collective_bytes(hlo_text: str) -> dict:
             continue
         if name is None or " = " not in line:
             continue
+        lines[name].append(line)
         # An async op's start, update and done all name the computation it runs: one call.
         if not re.search(r" async-(done|update)\(", line):
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-            for callee in re.findall(r"(?:body|calls|branch_computations=\{)=?%([\w.\-]+)", line):
-                calls[name].append((callee, int(trips.group(1)) if trips else 1))
-        op = re.search(r" = (.*?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
-        if op:
-            shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
-            ops[name].append((op.group(2), sum(_hlo_bytes(t, d) for t, d in shapes)))
-    totals: dict[str, list] = {}
+            n = int(trips.group(1)) if trips else 1
+            for kind, callee in re.findall(
+                r"(body|calls|branch_computations)=\{?%([\w.\-]+)", line
+            ):
+                calls[name].append((callee, n, kind == "body"))
+    return entry, calls, lines
 
-    def visit(computation: str, times: int) -> None:
-        for kind, size in ops[computation]:
-            count = totals.setdefault(kind, [0, 0])
-            count[0] += times
-            count[1] += times * size
-        for callee, trips in calls[computation]:
-            visit(callee, times * trips)
+
+def _visits(entry, calls) -> dict[str, tuple[int, bool]]:
+    """Per computation reached from `entry`: (times it runs in one run of the program, whether
+    a loop's body runs it)."""
+    seen: dict[str, tuple[int, bool]] = {}
+
+    def visit(computation: str, times: int, in_loop: bool) -> None:
+        before = seen.get(computation, (0, False))
+        seen[computation] = (before[0] + times, before[1] or in_loop)
+        for callee, trips, body in calls[computation]:
+            visit(callee, times * trips, in_loop or body)
 
     if entry:
-        visit(entry, 1)
+        visit(entry, 1, False)
+    return seen
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """{collective: [count, bytes]} that a compiled program's collectives produce per device in
+    one run: each op's result (a gather's gathered array, a reduce-scatter's shard, an
+    all-reduce's buffer; asynchronous ones at their -done, or once inside the computation an
+    async-start calls), times the trip counts of the loops around it (XLA's
+    known_trip_count), so a scan over layers counts each layer's gather. On the wire each
+    device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards and 2(n-1)/n of
+    an all-reduce's buffer."""
+    entry, calls, lines = _hlo_graph(hlo_text)
+    totals: dict[str, list] = {}
+    for computation, (times, _) in _visits(entry, calls).items():
+        for line in lines[computation]:
+            op = re.search(r" = (.*?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
+            if op:
+                shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
+                count = totals.setdefault(op.group(2), [0, 0])
+                count[0] += times
+                count[1] += times * sum(_hlo_bytes(t, d) for t, d in shapes)
     return totals
+
+
+def collective_schedule(hlo_text: str) -> dict:
+    """{collective: {ops, sync, pipelined, in_loop}} of a compiled program: its collective ops
+    (each once, however often it runs; an asynchronous one at its start), how many XLA's
+    scheduler left synchronous (`is_sync`: nothing placed beside it), how many its collective
+    pipeliner moved to a loop iteration before or after their use (`is_pipelined`), and how
+    many sit inside a loop (a scan over layers). Read from each op's backend config."""
+    entry, calls, lines = _hlo_graph(hlo_text)
+    out: dict[str, dict] = {}
+    for computation, (_, in_loop) in _visits(entry, calls).items():
+        for line in lines[computation]:
+            op = re.search(r" (" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
+            if not op:
+                continue
+            count = out.setdefault(op.group(1), dict(ops=0, sync=0, pipelined=0, in_loop=0))
+            count["ops"] += 1
+            count["sync"] += '"is_sync":true' in line
+            count["pipelined"] += '"is_pipelined":true' in line
+            count["in_loop"] += in_loop
+    return out
 
 
 def offload_breakdown(exp, state, batch) -> dict:

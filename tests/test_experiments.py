@@ -5,6 +5,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
 import throughput  # noqa: E402
@@ -129,6 +131,37 @@ ENTRY %main (a: bf16[8,4], b: f8e4m3fn[2,4]) -> bf16[4,4] {
     assert counts == {"reduce-scatter": [1, 4 * 4 * 2], "all-gather": [1, 4 * 4]}
 
 
+def test_collective_schedule_reads_how_xla_placed_each_collective():
+    """Each collective op once (an async one at its start), with the flags XLA's scheduler
+    and collective pipeliner leave in its backend config, and whether a loop's body holds it
+    (however deep: the body's own calls too)."""
+
+    def config(sync: str, pipelined: str) -> str:
+        flags = f'"is_sync":{sync},"is_pipelined":{pipelined}'
+        return 'backend_config={"collective_backend_config":{' + flags + "}}"
+
+    gather = "(bf16[2,4]{1,0}, bf16[4,4]{1,0})"
+    hlo = "\n".join(
+        [
+            "%inner (p: bf16[2,4]) -> bf16[4,4] {",
+            f"  %ag = {gather} all-gather-start(bf16[2,4]{{1,0}} %p), {config('false', 'true')}",
+            f"  %agd = bf16[4,4]{{1,0}} all-gather-done({gather} %ag)",
+            "}",
+            "%body (c: bf16[2,4]) -> bf16[2,4] {",
+            "  %f = bf16[4,4]{1,0} fusion(bf16[2,4]{1,0} %c), kind=kLoop, calls=%inner",
+            "}",
+            "ENTRY %main (a: bf16[2,4], b: f32[4]) -> f32[4] {",
+            "  %w = bf16[2,4]{1,0} while(bf16[2,4]{1,0} %a), condition=%cond, body=%body",
+            f"  %ar = f32[4]{{0}} all-reduce(f32[4]{{0}} %b), {config('true', 'false')}",
+            "}",
+        ]
+    )
+    assert throughput.collective_schedule(hlo) == {
+        "all-gather": dict(ops=1, sync=0, pipelined=1, in_loop=1),
+        "all-reduce": dict(ops=1, sync=1, pipelined=0, in_loop=0),
+    }
+
+
 def test_every_xla_setting_the_benchmarks_try_is_a_flag_of_this_xla():
     """XLA renames and drops flags between releases, and an unknown one in XLA_FLAGS aborts the
     process: each setting `scaling.py --collectives` and `throughput.py --sweep` try starts a
@@ -148,3 +181,19 @@ def test_every_xla_setting_the_benchmarks_try_is_a_flag_of_this_xla():
     code = "import jax.numpy as jnp; print(float(jnp.ones(2).sum()))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "2.0", proc.stderr[-2000:]
+
+
+def test_the_two_gpu_runs_compiled_on_fewer_gpus_are_issue_25s_and_valid_configs():
+    """`two_gpu_compiled.py` covers each of issue 25's runs with settings the trainer accepts;
+    its compile-only devices are refused with a clear message where there is no GPU."""
+    import two_gpu_compiled
+
+    from angel_jax.config import load_config
+
+    runs = two_gpu_compiled.runs()
+    assert {r[0] for r in runs} == {"1", "2", "3", "4", "5", "6"}
+    assert len({r[1] for r in runs}) == len(runs)
+    for _, _, config, overrides, _ in runs:
+        assert load_config(config, overrides).mesh  # Validated, as the child loads it.
+    with pytest.raises(SystemExit, match="COMPILE_FOR_DEVICES=2: compile-only devices"):
+        throughput.compile_only_devices(2)

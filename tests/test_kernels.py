@@ -37,7 +37,7 @@ def test_auto_picks_xla_off_a_gpu_and_an_explicit_library_kernel_is_refused():
     config = default_config()
     config.model.ring_blocks = "jax_pallas"  # Grouped GEMMs only.
     with pytest.raises(
-        ConfigError, match=r"ring_blocks='jax_pallas': use one of auto, cudnn, tokamax"
+        ConfigError, match=r"ring_blocks='jax_pallas': use one of auto, tokamax, cudnn"
     ):
         validate(config)
 
@@ -47,7 +47,17 @@ def test_banner_names_the_kernels_a_run_uses():
     assert kernels.banner(model, ring=False) == []  # Dense, no ring: nothing to choose.
     model.num_experts, model.router = 4, "dropless"
     (line,) = kernels.banner(model, ring=True)
-    ring = "cudnn" if kernels.cudnn_missing() is None else "xla"
+    ring = next(
+        (
+            k
+            for k, why in (
+                ("tokamax", kernels.tokamax_missing()),
+                ("cudnn", kernels.cudnn_missing()),
+            )
+            if why is None
+        ),
+        "xla",
+    )
     moe = "jax_pallas" if kernels.jax_pallas_missing() is None else "xla"
     assert line == f"kernels: ring attention blocks {ring}, MoE grouped GEMMs {moe}"
 

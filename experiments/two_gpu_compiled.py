@@ -1,0 +1,124 @@
+"""Issue 25's two-GPU steps compiled where fewer GPUs are lent: JAX's compile-only devices of a
+described topology (two GPUs of this machine's kind on one host) stand in for the GPUs, so each
+run's step is planned and compiled from shapes as it would be on two, and nothing runs.
+
+    python experiments/two_gpu_compiled.py [--only 1,5,6] [--jobs 4] [--out FILE] [--hlo-dir DIR]
+
+Each run (`two_gpu.sh`'s, from the same scripts' definitions) is a child of throughput.py with
+COMPILE_FOR_DEVICES=2: it records the plan against the compiled program's memory per device
+(a plan the compiled step outgrows is planned again or refused, as on the GPUs), the kernels
+(custom calls), the collectives' count and bytes per device per step, and how XLA scheduled
+them (`throughput.collective_schedule`: left synchronous, moved by the collective pipeliner,
+inside the layer loop). No time is measured. The compile-only devices are not autotuned on, so
+a kernel XLA's autotuner picks on real devices may differ; collectives and memory are the
+program's. The host budget is this machine's, shared by the two devices.
+"""
+
+import argparse
+import concurrent.futures as futures
+import pathlib
+import re
+import sys
+
+import long_context
+import pipeline
+import scaling
+from fp8_throughput import fp8_variants
+from moe_throughput import moe_runs
+from throughput import ROOT, run_ours, write_results
+
+LLAMA_1B, LLAMA3_8B = (str(ROOT / f"configs/{n}.py") for n in ("llama_1b", "llama3_8b"))
+
+
+def runs() -> list[tuple[str, str, str, list[str], str]]:
+    """(issue 25's run, name, config, overrides, XLA flags) of each two-GPU step."""
+    out = [
+        ("1", f"weak data=2, collectives {setting}", LLAMA_1B, scaling.weak_overrides(2, 3), flags)
+        for setting, flags in scaling.COLLECTIVES.items()
+    ]
+    out += [
+        ("2", name, LLAMA_1B, overrides, "")
+        for group, name, overrides in pipeline.runs()
+        if group == "throughput" and name in ("data=2", "pipeline=2 1f1b m=8")
+    ]
+    out += [
+        (
+            "3",
+            f"{kind}=2 at 524,288 tokens",
+            LLAMA_1B,
+            long_context.run_overrides(524288, *axes),
+            "",
+        )
+        for kind, axes in (("context", (2, 1)), ("sequence", (1, 2)))
+    ]
+    moe = moe_runs(2, 8, "dropless,topk", "1,4", "auto", [])
+    out += [("4", name, str(ROOT / config), overrides, "") for name, config, overrides in moe]
+    fp8 = ((LLAMA_1B, "--config.train.batch_size=16"), (LLAMA3_8B, "--config.model.remat=full"))
+    for config, extra in fp8:
+        base, variants = fp8_variants(2, [extra])
+        model = pathlib.Path(config).stem
+        out += [
+            ("5", f"{model} zero3 {name}", config, [*base, *overrides], "")
+            for name, overrides in variants
+            if name in ("bf16", "fp8 collectives")
+        ]
+    out += [
+        ("6", name, config, overrides, "")
+        for name, config, overrides in scaling.named_runs(2, LLAMA_1B)
+        if name.startswith("llama3_8b") and "pipeline" not in name
+    ]
+    return out
+
+
+def compile_run(run: tuple, hlo_dir: str) -> dict:
+    number, name, config, overrides, flags = run
+    env = {
+        "COMPILE_FOR_DEVICES": "2",
+        "THROUGHPUT_HLO_DIR": str(pathlib.Path(hlo_dir) / re.sub(r"[^\w.=-]+", "_", name)),
+        # Children compile side by side on one GPU: none takes its memory up front. The
+        # planner's budget is the allocator's limit (the memory fraction), allocated or not.
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
+    result = run_ours(config, overrides, -1, 0, flags, env)
+    return {**result, "run": number, "system": name, "overrides": overrides, "xla_flags": flags}
+
+
+def summary(r: dict) -> str:
+    if "error" in r:
+        return f"failed: {' | '.join(r['error'])[:300]}"
+    memory = (
+        f"plan {r['plan']}, remat {r['remat']}: planned {r['planned_device_gib']:.1f} GiB, "
+        f"compiled temporaries {r.get('compiled_temp_gib', 0):.1f} + arguments "
+        f"{r.get('compiled_argument_gib', 0):.1f} GiB"
+    )
+    wire = "; ".join(
+        f"{kind} {n} x {size / 1e6:,.0f} MB"
+        + "".join(
+            f", {v} {k}" for k, v in r["collective_schedule"].get(kind, {}).items() if k != "ops"
+        )
+        + f" (of {r['collective_schedule'].get(kind, {}).get('ops', 0)} ops)"
+        for kind, (n, size) in r.get("collectives", {}).items()
+    )
+    return f"{memory}\n    {wire or 'no collectives'}\n    kernels {r.get('kernels', {})}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated issue-25 run numbers (1-6)")
+    p.add_argument("--jobs", type=int, default=4, help="children compiling at once")
+    p.add_argument("--out", default=str(ROOT / "experiments/results/two_gpu_compiled.json"))
+    p.add_argument("--hlo-dir", default="/tmp/two_gpu_compiled_hlo")
+    a = p.parse_args()
+    only = set(filter(None, a.only.split(",")))
+    todo = [r for r in runs() if not only or r[0] in only]
+    results = []
+    with futures.ThreadPoolExecutor(a.jobs) as pool:
+        for result in pool.map(lambda r: compile_run(r, a.hlo_dir), todo):
+            results.append(result)
+            print(f"[run {result['run']}] {result['system']}: {summary(result)}", flush=True)
+            write_results(a.out, results)  # So far: a call cut short keeps what compiled.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
