@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 # Choices of config.model.moe_kernel and ring_blocks (angel_jax/kernels.py).
 MOE_KERNELS = ("auto", "jax_pallas", "tokamax", "xla")
-RING_KERNELS = ("auto", "tokamax", "cudnn", "xla")
+RING_KERNELS = ("auto", "cudnn", "tokamax", "xla")
 # The options of enumerated settings, read by validation and by the modules that run them.
 SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
 ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
@@ -84,8 +84,8 @@ def default_config() -> ml_collections.ConfigDict:
     # fits, checked against the compiled step on a GPU (angel_jax/offload/planner.py).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
-    # Ring attention's (context axis) block kernels: auto (tokamax's Mosaic GPU flash kernels
-    # where they run, else cuDNN's, else xla) | tokamax | cudnn | xla (einsums).
+    # Ring attention's (context axis) block kernels: auto (cuDNN's flash attention where it
+    # runs, else tokamax's Mosaic GPU kernels, else xla) | cudnn | tokamax | xla (einsums).
     # angel_jax/kernels.py.
     c.model.ring_blocks = "auto"
     # LM head + cross entropy over this many slices of the sequence, one at a time (recomputed

@@ -8,13 +8,10 @@ forward / forward + backward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Ho
 tokamax 0.0.17's 320 / 261, a dense cuBLAS matmul of the same FLOPs 775 / 692,
 `lax.ragged_dot` 49 / 40 (XLA lowers it to dense matmuls over every group on CUDA).
 Ring attention's blocks need the log-sum-exp out of the forward and a backward that takes the
-ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward's
-`return_residual`, its backward primitive given those residuals); tokamax's Mosaic GPU flash
-kernels too, at 0.81-0.92 of cuDNN's TFLOP/s forward + backward (attention_kernels.json).
-`auto` takes tokamax's first: with cuDNN's blocks, XLA (jax 0.11.2) crashed compiling the
-two-GPU ring step (a segfault in Shardy's canonicalizer, ManualComputationUnusedInputsPattern;
-compiled for two compile-only H200s, experiments/results/two_gpu_compiled_ring_blocks.log),
-where tokamax's compiled.
+ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward
+primitive's softmax statistics, its backward primitive given those residuals); tokamax's
+Mosaic GPU flash kernels too, at 0.81-0.92 of cuDNN's TFLOP/s forward + backward
+(attention_kernels.json).
 Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
 (auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | cudnn | tokamax |
 xla) choose, and `choose` says why auto fell back.
@@ -100,8 +97,8 @@ def resolve_attention(model, backend: str) -> str:
 def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
     """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
     kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes
-    the first that runs: for the grouped GEMMs JAX's (the fastest), then tokamax's; for the
-    ring's blocks tokamax's, then cuDNN's (see above)."""
+    the fastest that runs: for the grouped GEMMs JAX's, then tokamax's; for the ring's blocks
+    cuDNN's, then tokamax's."""
     choices = MOE_KERNELS if setting == "moe_kernel" else RING_KERNELS
     if value not in choices:
         raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(choices)}")
@@ -298,26 +295,52 @@ def tokamax_block_grads(q, k, v, do, out, lse, causal: bool):
 
 @functools.cache
 def _cudnn_attention():
-    """JAX's cuDNN fused attention module. The backward primitive that takes residuals from
-    outside is not public API: cudnn_missing() turns its absence into a fallback that says so."""
-    from jax._src.cudnn import fused_attention_stablehlo
+    """JAX's cuDNN fused attention module. The blocks bind its core primitives (the forward's,
+    and the backward's that takes residuals from outside), which are not public API:
+    cudnn_missing() turns their absence into a fallback that says so."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
 
-    fused_attention_stablehlo._dot_product_attention_bwd_p_wrapper  # noqa: B018 - fail early.
-    return fused_attention_stablehlo
+    fused._dot_product_attention_fwd_impl, fused._dot_product_attention_bwd_impl  # noqa: B018
+    return fused
 
 
 def _cudnn_settings(fused, q, causal: bool) -> dict:
-    """The scale and mask that a block's cuDNN forward and backward share."""
+    """What a block's cuDNN forward and backward share: its mask and scale, and no bias,
+    sequence lengths, offsets, page tables or dropout.
+
+    They go to cuDNN's core primitives, not to the custom-partitioned wrappers that JAX's
+    public attention binds: a block runs on each device's own chunks inside the ring's
+    shard_map, with nothing to partition. The operands it does without are zero-size slices
+    of q, not constants: with `jnp.zeros(0)` in their place (what JAX's public attention
+    passes) XLA (jax 0.11.2) crashed compiling the two-GPU ring step of a scanned layer stack,
+    in Shardy's ManualComputationUnusedInputsPattern; with the slices it compiles
+    (experiments/results/two_gpu_compiled_ring_blocks.log)."""
     mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
-    return dict(scale=q.shape[-1] ** -0.5, mask_type=mask)
+    unused = q.reshape(-1)[:0]
+    return dict(
+        bias=unused,
+        q_seqlen=unused,
+        kv_seqlen=unused,
+        q_offsets=unused,
+        kv_offsets=unused,
+        page_table_k=unused,
+        page_table_v=unused,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=mask,
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(False, False),  # (has bias, has bias gradient)
+        layout=fused.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )
 
 
 def cudnn_block(q, k, v, causal: bool):
     """`xla_block` through cuDNN's flash forward; its residual is the log-sum-exp, float32,
     (B, N, T) with a KV head's query heads adjacent."""
     fused = _cudnn_attention()
-    out, lse = fused.dot_product_attention(
-        _flat_heads(q), k, v, **_cudnn_settings(fused, q, causal), return_residual=True
+    out, lse = fused._dot_product_attention_fwd_impl(
+        _flat_heads(q), k, v, **_cudnn_settings(fused, q, causal), is_training=True
     )
     return out.reshape(q.shape), lse.reshape(q.shape[0], *q.shape[2:4], q.shape[1])
 
@@ -327,21 +350,14 @@ def cudnn_block_grads(q, k, v, do, out, lse, causal: bool):
     exp(s - lse) and delta from the output it is given, so the ring's merged output and lse
     yield this block's share of the full softmax's gradient."""
     fused = _cudnn_attention()
-    unused = jnp.zeros(0, q.dtype)  # No bias, sequence lengths, offsets or page tables.
-    dq, dk, dv = fused._dot_product_attention_bwd_p_wrapper.bind(
+    dq, dk, dv = fused._dot_product_attention_bwd_impl(
         _flat_heads(q),
         k,
         v,
-        *[unused] * 7,
-        lse.reshape(lse.shape[0], -1, lse.shape[-1]).astype(F32),
-        _flat_heads(out).astype(q.dtype),
-        _flat_heads(do).astype(q.dtype),
+        activation=lse.reshape(lse.shape[0], -1, lse.shape[-1]).astype(F32),
+        fwd_output=_flat_heads(out).astype(q.dtype),
+        grad_output=_flat_heads(do).astype(q.dtype),
         **_cudnn_settings(fused, q, causal),
-        seed=42,
-        dropout_rate=0.0,
-        variadic_args=(False, False),  # (has bias, has bias gradient)
-        layout=fused.AttentionLayout.BTNH.value,
-        sliding_window_length=None,
     )
     return dq.reshape(q.shape), dk, dv  # In q's dtype.
 

@@ -27,12 +27,10 @@
 #    balance group (even, 13,9, 10,12 against auto) in one job -> pipeline_2gpu.json. ~180 s.
 # 2b (item 2, the rest of pipeline.py): 1F1B m=8 again, GPipe m=8, circular v=2 m=8 and the
 #    bubble sweep (1F1B m=2,4,16 with the fitted bubble) -> pipeline_2gpu_schedules.json. ~220 s.
-# 3a (item 3, ring attention with the new blocks: ring_blocks=auto, tokamax's, else cuDNN's):
+# 3a (item 3, ring attention with the new blocks: ring_blocks=auto, cuDNN's, else tokamax's):
 #    context=2 at 524,288 tokens, --warmup 0 (the step is compiled before it runs) ->
 #    long_context_2gpu_ring.json; then, if >= 150 s are left, context=2 at 131,072 (the old
-#    Pallas row's length, 0.052 MFU) with cuDNN's blocks, whose step XLA crashed compiling
-#    for two compile-only devices (two_gpu_compiled_ring_blocks.log): does it on two GPUs? ->
-#    long_context_2gpu_ring_131k_cudnn.json. ~250 s (+ ~70 s).
+#    Pallas row's length, 0.052 MFU) -> long_context_2gpu_ring_131k.json. ~250 s (+ ~70 s).
 # 3b (item 3, its reference): Ulysses sequence=2 at 524,288, same settings ->
 #    long_context_2gpu_ulysses.json. ~200 s (the 2026-11-29 step took 140 s).
 # 4a (item 4, MoE expert=2): dropless (grouped GEMMs, moe_kernel=auto), topk with dispatch
@@ -159,8 +157,7 @@ setup)
         --warmup 0 --out "$OUT/long_context_2gpu_ring.json"
     if ((LIMIT - SECONDS >= 150)); then
         py long_context_2gpu_ring 540 510 long_context.py --context 2 --start 131072 \
-            --max 131072 --warmup 0 --ring-blocks cudnn \
-            --out "$OUT/long_context_2gpu_ring_131k_cudnn.json"
+            --max 131072 --warmup 0 --out "$OUT/long_context_2gpu_ring_131k.json"
     fi
     ;;
 3b)

@@ -22,6 +22,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "cuDNN ring blocks pass zero-size constants",
+        "angel_jax/kernels.py",
+        "    unused = q.reshape(-1)[:0]",
+        "    unused = jnp.zeros(0, q.dtype)",
+        # On a GPU (JAX_PLATFORMS=cuda); skipped elsewhere.
+        ["tests/test_kernels.py::test_two_gpu_ring_step_of_a_scanned_stack_compiles"],
+    ),
+    (
         "fp8 formats are 16-bit",
         "angel_jax/fp8.py",
         "E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2",
