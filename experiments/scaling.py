@@ -47,6 +47,15 @@ def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
             big,
             ["--config.mesh.tensor=2", f"--config.mesh.data={n // 2}"],
         ),
+        (  # Megatron's sequence parallel: norm regions split over `tensor` too.
+            f"llama3_8b tensor=2 sequence parallel data={n // 2}",
+            big,
+            [
+                "--config.mesh.tensor=2",
+                f"--config.mesh.data={n // 2}",
+                "--config.model.sequence_parallel=true",
+            ],
+        ),
         (
             f"llama3_8b pipeline=2 data={n // 2}",
             big,

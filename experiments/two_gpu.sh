@@ -43,10 +43,10 @@
 #    `collectives` (count and bytes per device per step, loops' trips counted, from the
 #    compiled step); the compiled steps' HLO in $OUT/hlo/ (THROUGHPUT_HLO_DIR).
 #    ~60 s + ~150 s.
-# 6  (item 6, llama3_8b on two GPUs): scaling.py's named runs "llama3_8b zero3 data=2" and
-#    "llama3_8b tensor=2 data=1" (remat auto, the config's: the planner's pick, checked
-#    against the compiled step; each refused pick costs a compile) in one job: MFU ->
-#    llama3_8b_2gpu.json. ~200-300 s.
+# 6  (item 6, llama3_8b on two GPUs): scaling.py's named runs "llama3_8b zero3 data=2",
+#    "llama3_8b tensor=2 data=1" and the same with Megatron's sequence parallel (remat auto,
+#    the config's: the planner's pick, checked against the compiled step; each refused pick
+#    costs a compile) in one job: MFU -> llama3_8b_2gpu.json. ~300-450 s.
 #
 # Every item's ask has its command; none has run on two GPUs (the kind was not lent). Each
 # run's steps were compiled for two compile-only H200s on the one-GPU kind
@@ -187,8 +187,9 @@ setup)
     ;;
 6)
     environment
-    py llama3_8b_2gpu 540 230 scaling.py --gpus 2 \
-        --only "llama3_8b zero3 data=2,llama3_8b tensor=2 data=1" --out "$OUT/llama3_8b_2gpu.json"
+    py llama3_8b_2gpu 540 170 scaling.py --gpus 2 \
+        --only "llama3_8b zero3 data=2,llama3_8b tensor=2 data=1,llama3_8b tensor=2 sequence parallel data=1" \
+        --out "$OUT/llama3_8b_2gpu.json"
     ;;
 2 | 3 | 4)
     echo "run $RUN is split in two calls: ${RUN}a and ${RUN}b"
