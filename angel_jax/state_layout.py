@@ -67,11 +67,11 @@ def make_state_layout(
     to_stages=None,
     inputs_offloadable: bool = False,
     extra_activations: dict[tuple[bool, str], int] | None = None,
-    remat: str | None = None,
+    pipeline=None,
 ) -> StateLayout:
     """The layout of the state around params of these (logically boxed) shapes; `to_stages`
     (the pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the
-    planner may keep the layers' inputs in host memory; `extra_activations` and `remat`:
+    planner may keep the layers' inputs in host memory; `extra_activations` and `pipeline`:
     `make_plan`'s."""
     logical = sharding.logical_axes(boxed_params)
     abstract_params = flax.linen.meta.unbox(boxed_params)
@@ -111,7 +111,7 @@ def make_state_layout(
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,
         extra_activations=extra_activations,
-        remat=remat,
+        pipeline=pipeline,
         measure_rates=lambda: measure_rates(
             optimizer, _largest_path(abstract_params), jnp.dtype(config.model.dtype)
         ),

@@ -366,7 +366,7 @@ def _build(
         to_stages,
         offloadable,
         extra_activations,
-        remat=pipeline.remat if pipeline else None,  # The stages' pick, under a pipeline.
+        pipeline=pipeline,  # Its stages' remat pick and activation model.
     )
     if not pipeline:
         model_config = dataclasses.replace(model_config, remat=layout.plan.remat)

@@ -367,3 +367,26 @@ def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute
     rows = t.batch_size // config.mesh.data // config.pipeline.microbatches
     assert rows * t.seq_len * config.model.d_model in sizes["collective-permute"], sizes
     assert not {x.size for x in layers} & set(sizes["all-gather"]), sizes
+
+
+def test_the_zero_cache_plan_takes_the_stages_activations():
+    """Under a pipeline the ZeRO-Cache plan's activations are the stage plan's (each stage's
+    microbatches in flight through its own layers), not a whole batch through every layer at
+    once: llama3_8b on pipeline=2 with 8 microbatches of 2 x 8192 fits a 132 GiB device (its
+    step compiled for two H200s took 105.7 GiB, two_gpu_compiled_pipeline.log), where the
+    batch-wide estimate planned 257 GiB and refused it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    overrides = [
+        "--config.mesh.pipeline=2",
+        "--config.mesh.data=1",
+        "--config.train.microbatches=1",
+        "--config.pipeline.microbatches=8",
+        "--config.train.batch_size=16",
+        "--config.offload.device_gib=132",
+        "--config.offload.host_gib=100",
+    ]
+    config = load_config(str(root / "configs/llama3_8b.py"), overrides)
+    exp = build(config, make_mesh(config.mesh, jax.devices()[:2]), fit_compiled=False)
+    assert exp.plan.policy == "none"
+    assert exp.plan.state_bytes["activations"] == int(exp.pipeline.activation_bytes)
+    assert exp.plan.tier_bytes("device") < 100 * 2**30

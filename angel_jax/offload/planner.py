@@ -493,7 +493,7 @@ def make_plan(
     inputs_offloadable: bool,
     measure_rates=None,
     extra_activations: dict[tuple[bool, str], int] | None = None,
-    remat: str | None = None,
+    pipeline=None,
 ) -> Plan:
     """Places each state per `config.offload.policy`; raises ConfigError if it cannot fit.
 
@@ -504,8 +504,10 @@ def make_plan(
     config.offload.cpu_update is -1 and the plan offloads the optimizer;
     `extra_activations`: (whether the plan offloads the optimizer, remat policy) -> bytes
     that compiled step's temporaries took beyond the activation estimate
-    (`CompiledTooLarge.beyond_estimate`), added to it; `remat`: the layers' policy where a
-    pipeline's plan picked it (else `remat_choices`).
+    (`CompiledTooLarge.beyond_estimate`), added to it; `pipeline`: the stages' plan
+    (`stage_plan.PipelinePlan`), whose remat pick and activations (the residuals of its
+    microbatches in flight, per stage) stand in for `remat_choices` and `activation_bytes`,
+    which count a batch through every layer at once.
     """
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
@@ -513,9 +515,14 @@ def make_plan(
     budget = measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    remats = (remat,) if remat else remat_choices(config)
     extra = extra_activations or {}
-    activations = {r: activation_bytes(config, mesh, r) for r in remats}
+    if pipeline:
+        remats = (pipeline.remat,)
+        saved = dict.fromkeys(("layer inputs", "offloaded activations"), 0)
+        activations = {pipeline.remat: {**saved, "activations": int(pipeline.activation_bytes)}}
+    else:
+        remats = remat_choices(config)
+        activations = {r: activation_bytes(config, mesh, r) for r in remats}
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.

@@ -50,6 +50,9 @@ class PipelinePlan:
     backward_flops: np.ndarray  # (chunks,)
     memory_bytes: np.ndarray  # (stages,) per device.
     peak_tflops: float | None
+    # Per device, the most of any stage: the residuals of the microbatches in flight and the
+    # logits (memory_bytes less the model states). The ZeRO-Cache planner's activations.
+    activation_bytes: float
 
     def stage_busy_flops(self) -> np.ndarray:
         """(stages,) the FLOPs each stage computes in a step."""
@@ -245,15 +248,25 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
         counts = given_layers(config.pipeline.balance, cfg.num_layers, chunks)
     forward, backward = chunk_flops(counts)
     layout = StageLayout(p, v, tuple(counts))
-    memory = _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat)
+    states, activations = _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat)
     return PipelinePlan(
-        layout, schedule, remat, forward, backward, memory, peak_tflops(config.train.peak_tflops)
+        layout,
+        schedule,
+        remat,
+        forward,
+        backward,
+        states + activations,
+        peak_tflops(config.train.peak_tflops),
+        float(activations.max()),
     )
 
 
-def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> np.ndarray:
-    """(stages,) estimated bytes per device; `tokens` are a microbatch's per device of the
-    work (split over `tensor` too), so a device holds the activations of tokens x tensor."""
+def _memory_bytes(
+    config, cfg, mesh_shape, schedule, layout, tokens, remat
+) -> tuple[np.ndarray, np.ndarray]:
+    """(stages,) estimated bytes per device of (the model states, the activations); `tokens`
+    are a microbatch's per device of the work (split over `tensor` too), so a device holds
+    the activations of tokens x tensor."""
     p, v = schedule.stages, schedule.virtual
     dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
     rows = tokens * tp
@@ -279,7 +292,7 @@ def _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat) -> n
     per_slot = rows * (layout.slots * saved + d) * dtype_bytes
     residuals = (schedule.slots + 1) * per_slot
     logits = rows * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, in a B.
-    return np.full(p, state + residuals + logits)
+    return np.full(p, state), np.full(p, residuals + logits)
 
 
 def _device_budget(config) -> float:
