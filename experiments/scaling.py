@@ -7,7 +7,8 @@ one GPU up, then the named runs at the largest count, each in its own process.
         --collectives "default,pipelined,prefetch + latency hiding"  # weak runs per setting
 
 Weak scaling efficiency at n GPUs is tokens/s(n) / (n x tokens/s(1)). At the largest count
-(`n`): `llama3_8b` with ZeRO-3 over all, tensor=2 x data, pipeline=2 x data; the MoE with
+(`n`): `llama3_8b` with ZeRO-3 over all, tensor=2 x data (with and without Megatron's
+sequence parallel), pipeline=2 x data; the MoE with
 expert=n; FP8 against bf16 ZeRO-3 collectives on `llama_1b`. Writes the JSON and a plot of the
 efficiency (`.png` beside it). `--cpu` runs on emulated CPU devices, to try the script.
 """
@@ -67,8 +68,8 @@ def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
                 "--config.train.batch_size=16",
                 "--config.zero_stage=1",
                 # cuDNN's partitioner fails with data split too (stage_plan.py); XLA's
-                # attention keeps (T, T) scores: at n = 2 its step needed 157.6 GiB a GPU
-                # (compiled for two compile-only H200s, two_gpu_compiled_pipeline.log).
+                # attention keeps (T, T) scores: at n = 2 its step needed 157.6 GiB a GPU,
+                # with cuDNN's 123.4 (compiled for two H200s, two_gpu_compiled_pipeline.log).
                 *(["--config.model.attention=xla"] if n > 2 else []),
             ],
         ),

@@ -15,6 +15,7 @@ call's time limit otherwise ends the whole job, and its file, at the first slow 
 import argparse
 import collections
 import datetime
+import functools
 import gzip
 import json
 import math
@@ -169,8 +170,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,
         seq=t.seq_len,
-        kernels=compiled.get("kernels", {}),
-        collectives=compiled.get("collectives", {}),
+        **compiled,  # Kernels, collectives and their schedule.
         **breakdown,
     )
 
@@ -238,9 +238,10 @@ def _hlo_bytes(dtype: str, dims: str) -> float:
 
 
 def _hlo_graph(hlo_text: str):
-    """(entry computation, {computation: [(callee, trips, a loop's body)]}, {computation:
-    [instruction lines]}) of a compiled program's HLO text: the calls, with the trip counts of
-    the loops making them (XLA's known_trip_count), and each computation's instructions."""
+    """(entry computation, {computation: [(callees, trips, a loop's body)]}, {computation:
+    [instruction lines]}) of a compiled program's HLO text: each call with the computations it
+    may run (a conditional's branches, one of which runs) and the trip count of the loop
+    making it (XLA's known_trip_count), and each computation's instructions."""
     calls: dict[str, list] = collections.defaultdict(list)
     lines: dict[str, list] = collections.defaultdict(list)
     entry, name = None, None
@@ -257,23 +258,25 @@ def _hlo_graph(hlo_text: str):
         if not re.search(r" async-(done|update)\(", line):
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
             n = int(trips.group(1)) if trips else 1
-            for kind, callee in re.findall(
-                r"(body|calls|branch_computations)=\{?%([\w.\-]+)", line
-            ):
-                calls[name].append((callee, n, kind == "body"))
+            for kind, callee in re.findall(r"\b(body|calls)=%([\w.\-]+)", line):
+                calls[name].append(((callee,), n, kind == "body"))
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                calls[name].append((tuple(re.findall(r"%([\w.\-]+)", branches.group(1))), n, False))
     return entry, calls, lines
 
 
 def _visits(entry, calls) -> dict[str, tuple[int, bool]]:
-    """Per computation reached from `entry`: (times it runs in one run of the program, whether
-    a loop's body runs it)."""
+    """Per computation reached from `entry`: (times it is reached in one run of the program,
+    each of a conditional's branches as if it ran; whether a loop's body runs it)."""
     seen: dict[str, tuple[int, bool]] = {}
 
     def visit(computation: str, times: int, in_loop: bool) -> None:
         before = seen.get(computation, (0, False))
         seen[computation] = (before[0] + times, before[1] or in_loop)
-        for callee, trips, body in calls[computation]:
-            visit(callee, times * trips, in_loop or body)
+        for callees, trips, body in calls[computation]:
+            for callee in callees:
+                visit(callee, times * trips, in_loop or body)
 
     if entry:
         visit(entry, 1, False)
@@ -285,20 +288,38 @@ def collective_bytes(hlo_text: str) -> dict:
     one run: each op's result (a gather's gathered array, a reduce-scatter's shard, an
     all-reduce's buffer; asynchronous ones at their -done, or once inside the computation an
     async-start calls), times the trip counts of the loops around it (XLA's
-    known_trip_count), so a scan over layers counts each layer's gather. On the wire each
-    device sends about (n-1)/n of a gather's result, n-1 reduce-scatter shards and 2(n-1)/n of
-    an all-reduce's buffer."""
+    known_trip_count), so a scan over layers counts each layer's gather; of a conditional's
+    branches, one runs: the most any branch produces. On the wire each device sends about
+    (n-1)/n of a gather's result, n-1 reduce-scatter shards and 2(n-1)/n of an all-reduce's
+    buffer."""
     entry, calls, lines = _hlo_graph(hlo_text)
-    totals: dict[str, list] = {}
-    for computation, (times, _) in _visits(entry, calls).items():
+
+    @functools.cache
+    def produced(computation: str) -> dict[str, tuple[float, float]]:
+        """{collective: (count, bytes)} of one run of `computation`."""
+        out: dict[str, list] = {}
+
+        def add(part: dict, times: int) -> None:
+            for kind, (n, size) in part.items():
+                count = out.setdefault(kind, [0, 0])
+                count[0] += times * n
+                count[1] += times * size
+
         for line in lines[computation]:
             op = re.search(r" = (.*?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
             if op:
                 shapes = re.findall(r"(\w+)\[([\d,]*)\]", op.group(1))
-                count = totals.setdefault(op.group(2), [0, 0])
-                count[0] += times
-                count[1] += times * sum(_hlo_bytes(t, d) for t, d in shapes)
-    return totals
+                add({op.group(2): (1, sum(_hlo_bytes(t, d) for t, d in shapes))}, 1)
+        for callees, trips, _ in calls[computation]:
+            parts = [produced(c) for c in callees]
+            kinds = set().union(*parts)
+            most = {
+                k: tuple(max(p.get(k, (0, 0))[i] for p in parts) for i in (0, 1)) for k in kinds
+            }
+            add(most, trips)
+        return {k: tuple(v) for k, v in out.items()}
+
+    return {k: list(v) for k, v in produced(entry).items()} if entry else {}
 
 
 def collective_schedule(hlo_text: str) -> dict:

@@ -16,6 +16,7 @@ program's. The host budget is this machine's, shared by the two devices.
 
 import argparse
 import concurrent.futures as futures
+import os
 import pathlib
 import re
 import sys
@@ -76,8 +77,10 @@ def compile_run(run: tuple, hlo_dir: str) -> dict:
         "COMPILE_FOR_DEVICES": "2",
         "THROUGHPUT_HLO_DIR": str(pathlib.Path(hlo_dir) / re.sub(r"[^\w.=-]+", "_", name)),
         # Children compile side by side on one GPU: none takes its memory up front. The
-        # planner's budget is the allocator's limit (the memory fraction), allocated or not.
+        # planner's budget is the allocator's limit, the memory fraction the two-GPU runs
+        # take (two_gpu.sh), allocated or not.
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
     }
     result = run_ours(config, overrides, -1, 0, flags, env)
     return {**result, "run": number, "system": name, "overrides": overrides, "xla_flags": flags}
@@ -92,7 +95,7 @@ def summary(r: dict) -> str:
         f"{r.get('compiled_argument_gib', 0):.1f} GiB"
     )
     wire = "; ".join(
-        f"{kind} {n} x {size / 1e6:,.0f} MB"
+        f"{kind} {n} ops run, {size / 1e9:,.2f} GB"
         + "".join(
             f", {v} {k}" for k, v in r["collective_schedule"].get(kind, {}).items() if k != "ops"
         )
@@ -111,9 +114,13 @@ def main() -> int:
     a = p.parse_args()
     only = set(filter(None, a.only.split(",")))
     todo = [r for r in runs() if not only or r[0] in only]
+    # This process records the machine (JAX on the GPU) beside the children: it takes none of
+    # the GPU's memory up front either.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     results = []
     with futures.ThreadPoolExecutor(a.jobs) as pool:
-        for result in pool.map(lambda r: compile_run(r, a.hlo_dir), todo):
+        for done in futures.as_completed([pool.submit(compile_run, r, a.hlo_dir) for r in todo]):
+            result = done.result()
             results.append(result)
             print(f"[run {result['run']}] {result['system']}: {summary(result)}", flush=True)
             write_results(a.out, results)  # So far: a call cut short keeps what compiled.

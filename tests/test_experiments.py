@@ -131,6 +131,32 @@ ENTRY %main (a: bf16[8,4], b: f8e4m3fn[2,4]) -> bf16[4,4] {
     assert counts == {"reduce-scatter": [1, 4 * 4 * 2], "all-gather": [1, 4 * 4]}
 
 
+def test_a_conditional_counts_its_branch_that_produces_the_most():
+    """Of a conditional's branches one runs: bytes are the most any branch produces, and the
+    schedule lists every branch's ops."""
+    hlo = "\n".join(
+        [
+            "%b0 (p: bf16[2,4]) -> bf16[4,4] {",
+            "  %ag0 = bf16[4,4]{1,0} all-gather(bf16[2,4]{1,0} %p), dimensions={0}",
+            "}",
+            "%b1 (p: bf16[2,4]) -> bf16[8,4] {",
+            "  %ag1 = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), dimensions={0}",
+            "  %cp = bf16[2,4]{1,0} collective-permute(bf16[2,4]{1,0} %p)",
+            "}",
+            "ENTRY %main (i: s32[], a: bf16[2,4]) -> bf16[4,4] {",
+            "  %c = bf16[4,4]{1,0} conditional(s32[] %i, bf16[2,4]{1,0} %a, bf16[2,4]{1,0} %a), "
+            "branch_computations={%b0, %b1}",
+            "}",
+        ]
+    )
+    assert throughput.collective_bytes(hlo) == {
+        "all-gather": [1, 8 * 4 * 2],
+        "collective-permute": [1, 2 * 4 * 2],
+    }
+    schedule = throughput.collective_schedule(hlo)
+    assert schedule["all-gather"]["ops"] == 2 and schedule["collective-permute"]["ops"] == 1
+
+
 def test_collective_schedule_reads_how_xla_placed_each_collective():
     """Each collective op once (an async one at its start), with the flags XLA's scheduler
     and collective pipeliner leave in its backend config, and whether a loop's body holds it
@@ -188,12 +214,12 @@ def test_the_two_gpu_runs_compiled_on_fewer_gpus_are_issue_25s_and_valid_configs
     its compile-only devices are refused with a clear message where there is no GPU."""
     import two_gpu_compiled
 
-    from angel_jax.config import load_config
+    from angel_jax.config import load_config, validate
 
     runs = two_gpu_compiled.runs()
     assert {r[0] for r in runs} == {"1", "2", "3", "4", "5", "6"}
     assert len({r[1] for r in runs}) == len(runs)
     for _, _, config, overrides, _ in runs:
-        assert load_config(config, overrides).mesh  # Validated, as the child loads it.
+        validate(load_config(config, overrides))  # As `build` checks it in the child.
     with pytest.raises(SystemExit, match="COMPILE_FOR_DEVICES=2: compile-only devices"):
         throughput.compile_only_devices(2)

@@ -516,10 +516,10 @@ def make_plan(
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
     extra = extra_activations or {}
-    if pipeline:
+    if pipeline is not None:
         remats = (pipeline.remat,)
-        saved = dict.fromkeys(("layer inputs", "offloaded activations"), 0)
-        activations = {pipeline.remat: {**saved, "activations": int(pipeline.activation_bytes)}}
+        none = dict.fromkeys(("layer inputs", "offloaded activations"), 0)
+        activations = {pipeline.remat: {**none, "activations": int(pipeline.activation_bytes)}}
     else:
         remats = remat_choices(config)
         activations = {r: activation_bytes(config, mesh, r) for r in remats}
