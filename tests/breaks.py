@@ -22,6 +22,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "collectives in a loop's body not marked in_loop",
+        "experiments/throughput.py",
+        "                visit(callee, times * trips, in_loop or body)",
+        "                visit(callee, times * trips, in_loop)",
+        [
+            "tests/test_experiments.py::test_collective_schedule_reads_how_xla_placed_each_collective"
+        ],
+    ),
+    (
         "a conditional counts only its first branch",
         "experiments/throughput.py",
         "            parts = [produced(c) for c in callees]",
@@ -292,8 +301,8 @@ BREAKS = [
     (
         "collectives in a loop counted once",
         "experiments/throughput.py",
-        "visit(callee, times * trips)",
-        "visit(callee, times)",
+        "            add(most, trips)",
+        "            add(most, 1)",
         ["tests/test_experiments.py::test_collective_bytes_count_each_trip_of_a_scan"],
     ),
     (
