@@ -94,14 +94,13 @@ def summary(r: dict) -> str:
         f"compiled temporaries {r.get('compiled_temp_gib', 0):.1f} + arguments "
         f"{r.get('compiled_argument_gib', 0):.1f} GiB"
     )
-    wire = "; ".join(
-        f"{kind} {n} ops run, {size / 1e9:,.2f} GB"
-        + "".join(
-            f", {v} {k}" for k, v in r["collective_schedule"].get(kind, {}).items() if k != "ops"
-        )
-        + f" (of {r['collective_schedule'].get(kind, {}).get('ops', 0)} ops)"
-        for kind, (n, size) in r.get("collectives", {}).items()
-    )
+    wire = []
+    for kind, (n, size) in r.get("collectives", {}).items():
+        placed = dict(r["collective_schedule"].get(kind, {}))
+        ops = placed.pop("ops", 0)
+        counts = "".join(f", {v} {k}" for k, v in placed.items())
+        wire.append(f"{kind} {n} ops run, {size / 1e9:,.2f} GB{counts} (of {ops} ops)")
+    wire = "; ".join(wire)
     return f"{memory}\n    {wire or 'no collectives'}\n    kernels {r.get('kernels', {})}"
 
 
