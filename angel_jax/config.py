@@ -50,8 +50,8 @@ def default_config() -> ml_collections.ConfigDict:
     # loss on the last) | even | counts per chunk, e.g. "12,10".
     c.pipeline.balance = "auto"
     # The layers' remat policy (config.model.remat is then unused): auto (the fastest that fits
-    # the device memory) | dots_attention | dots_no_batch | full. What it saves is kept for
-    # every microbatch in flight, from its forward to its backward.
+    # the device memory) | dots_attention | dots_no_batch | attention | full. What it saves is
+    # kept for every microbatch in flight, from its forward to its backward.
     c.pipeline.remat = "auto"
 
     c.model = ml_collections.ConfigDict()
@@ -79,8 +79,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.dtype = "bfloat16"  # Compute dtype; master params are always float32.
-    # none | full | dots | dots_no_batch | dots_attention | offload_dots (angel_jax/remat.py), or
-    # auto: the fastest of dots_attention, dots_no_batch, full with which the ZeRO-Cache plan
+    # none | full | dots | dots_no_batch | dots_attention | attention | offload_dots
+    # (angel_jax/remat.py), or auto: the fastest of dots_attention, dots_no_batch, attention,
+    # full (by what each recomputes at this sequence length) with which the ZeRO-Cache plan
     # fits, checked against the compiled step on a GPU (angel_jax/offload/planner.py).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 # Activations the layers name (checkpoint_name) so remat policies can save or offload them,
 # with their widths in units of (model dim, attention width, KV width, FFN width): a dense
@@ -26,11 +27,22 @@ OFFLOADABLE = {"qkv": (0, 1, 2, 0), "attn_out": (0, 1, 0, 0), "mlp_in": (0, 0, 0
 LAYER_INPUT = "layer_input"
 
 
-def flash_attention_saveable(prim, *_, **__) -> bool:
-    """cuDNN flash attention's forward results (output and softmax statistics): without them
-    the backward pass runs the forward kernel again (9 of 241 ms of a llama_1b step on an H200,
-    experiments/results/profile_llama_1b_dots_no_batch.json)."""
-    return prim.name.startswith("dot_product_attention_fwd")
+# The attention's forward results its backward pass takes, named where the attention is ours:
+# the ring's merged output and log-sum-exp (parallel/attention.py). Without them the backward
+# pass runs the whole ring forward again, its sends included.
+ATTENTION_RESULTS = "attention_results"
+
+
+def flash_attention_saveable(prim, *_, **params) -> bool:
+    """The attention's forward results: cuDNN flash attention's output and softmax statistics
+    (its forward primitive as JAX's public attention binds it), or the ring's merged ones.
+    Without them the backward pass runs the forward again (9 of 241 ms of a llama_1b step on
+    an H200, experiments/results/profile_llama_1b_dots_no_batch.json; at long context most of
+    a full-remat step's recompute). The ring's cuDNN blocks bind the core primitive: their
+    per-block results are not kept, the merged ones are."""
+    if prim.name == "name":
+        return params.get("name") == ATTENTION_RESULTS
+    return prim.name == "dot_product_attention_fwd_wrapper"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +108,11 @@ REMATS = {
         _both(_dots_no_batch, flash_attention_saveable), (2, 2, 2, 2), (0, 0), expert_rows=(1, 1)
     ),
     "dots_no_batch": Remat(_dots_no_batch, (2, 1, 2, 2), (1, 0), expert_rows=(1, 1)),
+    # full's recompute, but the attention's forward results are kept (the layer input and
+    # the attention output; cuDNN's statistics and the ring's log-sum-exp are a few bytes a
+    # head): at long context, where attention outweighs the weight matmuls, nearly
+    # dots_attention's speed at little more than full's memory.
+    "attention": Remat(flash_attention_saveable, (1, 1, 0, 0), (0, 1)),
     "full": Remat(_policies.nothing_saveable, (1, 0, 0, 0), (1, 1)),
     # The weight-matmul outputs that dots_no_batch keeps, kept in pinned host memory instead.
     "offload_dots": _offloading(OFFLOADABLE),
@@ -104,11 +121,30 @@ REMATS = {
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
 # copy of it per slot).
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
-# What config.model.remat=auto tries, fastest first: the pipeline's policies. Not none: on the
-# H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.4k
+# What config.model.remat=auto tries (`auto_order`): the pipeline's policies. Not none: on
+# the H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.4k
 # tokens/s at twice the memory, experiments/results/throughput_llama_1b_2026-11-29.json), its
 # memory traffic costing more than the recompute it spares.
 AUTO_REMATS = STAGE_REMATS
+
+
+def kept(remat: str, attention_results: bool) -> str:
+    """The entry whose values REMATS[remat] keeps: without attention forward results to keep
+    (XLA's attention, no ring), dots_attention keeps what dots_no_batch does, and attention
+    what full does."""
+    if attention_results:
+        return remat
+    return {"dots_attention": "dots_no_batch", "attention": "full"}.get(remat, remat)
+
+
+def auto_order(attention_results: bool, matmul_flops: float, attention_flops: float):
+    """AUTO_REMATS fastest first: those that keep something of their own here, by the forward
+    FLOPs their backward pass recomputes per token and layer (`matmul_flops` of the weight
+    matmuls, `attention_flops` of the attention), the table's order breaking ties. At long
+    context, where attention outweighs the matmuls, attention comes before dots_no_batch."""
+    own = [r for r in AUTO_REMATS if kept(r, attention_results) == r]
+    recomputed = lambda r: np.dot(REMATS[r].recompute, (attention_flops, matmul_flops))
+    return tuple(sorted(own, key=recomputed))
 
 
 _input_to_host = _policies.save_and_offload_only_these_names(

@@ -1,14 +1,16 @@
 """Longest trainable context: the `llama_1b` shape at growing sequence lengths, one process each.
 
     python experiments/long_context.py [--context 1 | --sequence 1] [--start 32768] [--max 1048576]
-        [--activations auto|device|host] [--mlp-chunks N] [--warmup 1] [--steps 1]
-        [--compile-only]
+        [--activations auto|device|host] [--mlp-chunks N] [--remats auto] [--warmup 1]
+        [--steps 1] [--compile-only]
 
 Each length (doubling from --start) trains `--warmup` then `--steps` timed steps of one
-sequence per context group (batch = 1 on one GPU) with full remat and chunked logits; the
-table gives tokens/s, MFU (attention FLOPs included), peak memory, the compiled step's memory
-(XLA's temporaries on the device and in host memory) and where the plan put the layer inputs
-(`config.offload.activations`), and the longest length that trained. The step is compiled
+sequence per context group (batch = 1 on one GPU) with chunked logits, under each remat of
+`--remats` (auto: the planner's pick, e.g. `attention`, which keeps the attention's forward
+results, where it fits, else full); the table gives the remat, tokens/s, MFU (attention FLOPs
+included), peak memory, the compiled step's memory (XLA's temporaries on the device and in
+host memory) and where the plan put the layer inputs (`config.offload.activations`), and the
+longest length that trained. The step is compiled
 before it runs, so `--warmup 0` times a first step that holds no compilation. --compile-only
 builds, plans and compiles each length without running it: whether the step fits, and its
 memory. --context N splits the sequence over N devices with ring attention, --sequence N with
@@ -24,9 +26,15 @@ from throughput import ROOT, run_ours, write_results
 
 
 def run_overrides(
-    length: int, context: int, sequence: int, ring_blocks="auto", mlp_chunks=1, activations="auto"
+    length: int,
+    context: int,
+    sequence: int,
+    ring_blocks="auto",
+    mlp_chunks=1,
+    activations="auto",
+    remat="auto",
 ) -> list[str]:
-    """One sequence of `length` tokens over context x sequence devices, remat full."""
+    """One sequence of `length` tokens over context x sequence devices."""
     devices = context * sequence
     return [
         f"--config.train.seq_len={length}",
@@ -34,7 +42,7 @@ def run_overrides(
         f"--config.mesh.context={context}",
         f"--config.mesh.sequence={sequence}",
         "--config.mesh.data=1",
-        "--config.model.remat=full",
+        f"--config.model.remat={remat}",
         # About 8k positions per slice of logits (32000 x 8192 x 4 bytes = 1 GiB).
         f"--config.model.logits_chunks={max(1, length // devices // 8192)}",
         f"--config.model.ring_blocks={ring_blocks}",
@@ -54,6 +62,7 @@ def main() -> int:
     p.add_argument("--ring-blocks", default="auto", choices=("auto", "cudnn", "tokamax", "xla"))
     p.add_argument("--activations", default="auto", choices=("auto", "device", "host"))
     p.add_argument("--mlp-chunks", type=int, default=1, help="config.model.mlp_chunks")
+    p.add_argument("--remats", default="auto", help="comma-separated config.model.remat values")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--compile-only", action="store_true")
@@ -61,28 +70,40 @@ def main() -> int:
     args = p.parse_args()
     results, length, devices = [], args.start, args.context * args.sequence
     while length <= args.max:
-        overrides = run_overrides(
-            length, args.context, args.sequence, args.ring_blocks, args.mlp_chunks, args.activations
-        )
-        steps = -1 if args.compile_only else args.steps
-        result = run_ours(args.config, overrides, steps=steps, warmup=args.warmup)
-        results.append(
-            {**result, "seq_len": length, "context": args.context, "sequence": args.sequence}
-        )
-        results[-1].update(activations=args.activations, mlp_chunks=args.mlp_chunks)
-        print(json.dumps(results[-1]), flush=True)
-        if "error" in result:
-            results[-1]["fits"] = False
+        for remat in args.remats.split(","):
+            overrides = run_overrides(
+                length,
+                args.context,
+                args.sequence,
+                args.ring_blocks,
+                args.mlp_chunks,
+                args.activations,
+                remat,
+            )
+            steps = -1 if args.compile_only else args.steps
+            result = run_ours(args.config, overrides, steps=steps, warmup=args.warmup)
+            results.append(
+                {**result, "seq_len": length, "context": args.context, "sequence": args.sequence}
+            )
+            results[-1].update(activations=args.activations, mlp_chunks=args.mlp_chunks)
+            results[-1]["asked_remat"] = remat
+            print(json.dumps(results[-1]), flush=True)
+            if "error" in result:
+                results[-1]["fits"] = False
+        if all("error" in r for r in results if r["seq_len"] == length):
             break
         length *= 2
-    head = ("seq_len", "tokens/s", "MFU", "peak GiB", "temp GiB", "host temp", "inputs on")
-    print("\n{:>9} {:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*head))
+    head = ("seq_len", "remat", "tokens/s", "MFU", "peak GiB", "temp GiB", "host temp", "inputs on")
+    print("\n{:>9} {:>16} {:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*head))
     for r in results:
         if "error" in r:
-            print(f"{r['seq_len']:>9} failed: {r.get('error')}")
+            print(f"{r['seq_len']:>9} {r['asked_remat']:>16} failed: {r.get('error')}")
             continue
         tps, mfu = r.get("tokens_per_s"), r.get("mfu")
+        remat = r["asked_remat"]
+        remat = f"{remat} ({r['remat']})" if remat != r.get("remat", remat) else remat
         cells = (
+            remat,
             f"{tps:,.0f}" if tps else "-",
             f"{mfu:.3f}" if mfu else "-",
             f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-",
@@ -90,7 +111,7 @@ def main() -> int:
             f"{r.get('compiled_host_temp_gib', 0):.1f}",
             "host" if r.get("layer_inputs_on_host") else "device",
         )
-        print(f"{r['seq_len']:>9}", "{:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*cells))
+        print(f"{r['seq_len']:>9}", "{:>16} {:>10} {:>6} {:>9} {:>9} {:>9} {:>10}".format(*cells))
     done = [r["seq_len"] for r in results if "error" not in r]
     what = "compiled to fit" if args.compile_only else "trained"
     print(f"longest {what}: {max(done) if done else 'none'} tokens on {devices} device(s)")

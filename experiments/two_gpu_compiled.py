@@ -32,28 +32,28 @@ LLAMA_1B, LLAMA3_8B = (str(ROOT / f"configs/{n}.py") for n in ("llama_1b", "llam
 
 
 def runs() -> list[tuple[str, str, str, list[str], str]]:
-    """(issue 25's run, name, config, overrides, XLA flags) of each two-GPU step."""
+    """(two_gpu.sh's run, name, config, overrides, XLA flags) of each two-GPU step; a step
+    two runs share is compiled once, under the first."""
     out = [
         ("1", f"weak data=2, collectives {setting}", LLAMA_1B, scaling.weak_overrides(2, 3), flags)
         for setting, flags in scaling.COLLECTIVES.items()
     ]
-    out += [
-        ("2", name, LLAMA_1B, overrides, "")
-        for group, name, overrides in pipeline.runs()
-        if group == "throughput" and name in ("data=2", "pipeline=2 1f1b m=8")
-    ]
-    out += [
-        (
-            "3",
-            f"{kind}=2 at 524,288 tokens",
-            LLAMA_1B,
-            long_context.run_overrides(524288, *axes),
-            "",
-        )
-        for kind, axes in (("context", (2, 1)), ("sequence", (1, 2)))
-    ]
-    moe = moe_runs(2, 8, "dropless,topk", "1,4", "auto", [])
-    out += [("4", name, str(ROOT / config), overrides, "") for name, config, overrides in moe]
+    for group, name, overrides in pipeline.runs():
+        main = name in ("data=2", "pipeline=2 1f1b m=8")
+        number = "2a" if main or group == "balance" else "2b"
+        out.append((number, name, LLAMA_1B, overrides, ""))
+    for number, kind, axes, length in (
+        ("3a", "context", (2, 1), 524288),
+        ("3a", "context", (2, 1), 131072),
+        ("3b", "sequence", (1, 2), 524288),
+    ):
+        overrides = long_context.run_overrides(length, *axes)
+        out.append((number, f"{kind}=2 at {length:,} tokens", LLAMA_1B, overrides, ""))
+    for number, routers in (("4a", "dropless,topk"), ("4b", "expert_choice")):
+        moe = moe_runs(2, 8, routers, "1,4", "auto", [])
+        out += [
+            (number, name, str(ROOT / config), overrides, "") for name, config, overrides in moe
+        ]
     fp8 = ((LLAMA_1B, "--config.train.batch_size=16"), (LLAMA3_8B, "--config.model.remat=full"))
     for config, extra in fp8:
         base, variants = fp8_variants(2, [extra])
@@ -68,7 +68,13 @@ def runs() -> list[tuple[str, str, str, list[str], str]]:
         for name, config, overrides in scaling.named_runs(2, LLAMA_1B)
         if name.startswith("llama3_8b") and "pipeline" not in name
     ]
-    return out
+    seen, unique = set(), []
+    for run in out:  # 4b's dense twin is 4a's.
+        key = (run[2], tuple(run[3]), run[4])
+        if key not in seen:
+            seen.add(key)
+            unique.append(run)
+    return unique
 
 
 def compile_run(run: tuple, hlo_dir: str) -> dict:
@@ -106,13 +112,13 @@ def summary(r: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", default="", help="comma-separated issue-25 run numbers (1-6)")
+    p.add_argument("--only", default="", help="comma-separated runs of two_gpu.sh (1, 2a, ..., 6)")
     p.add_argument("--jobs", type=int, default=4, help="children compiling at once")
     p.add_argument("--out", default=str(ROOT / "experiments/results/two_gpu_compiled.json"))
     p.add_argument("--hlo-dir", default="/tmp/two_gpu_compiled_hlo")
     a = p.parse_args()
     only = set(filter(None, a.only.split(",")))
-    todo = [r for r in runs() if not only or r[0] in only]
+    todo = [r for r in runs() if not only or r[0] in only or r[0].rstrip("ab") in only]
     # This process records the machine (JAX on the GPU) beside the children: it takes none of
     # the GPU's memory up front either.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

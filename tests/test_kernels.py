@@ -277,3 +277,56 @@ def test_tokamax_grouped_gemm_is_compiled_in_and_equals_xla_in_value_and_dx(firs
 def test_tokamax_grouped_gemm_weight_grads_are_as_accurate_as_xla():
     ours, xla, _ = _grouped_gemm_errors("tokamax")
     assert all(o < 2 * r + 5e-3 for o, r in zip(ours[2:], xla[2:], strict=True)), (ours, xla)
+
+
+@pytest.mark.skipif(
+    kernels.cudnn_missing() is not None,
+    reason=f"cuDNN attention cannot run here: {kernels.cudnn_missing()}",
+)
+def test_remat_attention_keeps_cudnns_forward_results():
+    """remat=attention recomputes the layer as full does but keeps cuDNN attention's forward
+    results: the compiled grad step's backward runs no cuDNN forward again (one forward
+    custom call in the program where full has two, the same backward), and its grads are as
+    close to remat none's as full's are (bf16: the recomputed layer's fusions round
+    differently)."""
+    from angel_jax import sharding
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+    from tests.test_train_parity import small_config
+
+    def compiled(remat):
+        config = small_config(
+            mesh__data=1,
+            model__remat=remat,
+            model__attention="cudnn",
+            model__dtype="bfloat16",
+            model__d_model=512,
+            model__num_heads=8,
+            model__num_kv_heads=4,
+            model__ffn_dim=1024,
+            train__batch_size=2,
+            train__seq_len=1024,
+        )
+        exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+        params = exp.init_state().params
+        batch = exp.global_batch(make_batches(config)[0])
+        with sharding.use_rules(exp.mesh, exp.rules):
+            step = jax.jit(exp.grads.loss_and_grads)
+            text = step.lower(params, batch).compile().as_text()
+            _, grads = step(params, batch)
+        calls = lambda target: text.count(f'custom_call_target="{target}"')
+        return calls("__cudnn$fmhaSoftmax"), calls("__cudnn$fmhaSoftmaxBackward"), grads
+
+    forwards_full, backwards_full, grads_full = compiled("full")
+    forwards, backwards, grads = compiled("attention")
+    assert (forwards, backwards) == (forwards_full - 1, backwards_full), (forwards, forwards_full)
+    _, _, grads_none = compiled("none")
+    error = lambda a, b: float(
+        np.linalg.norm(np.float32(a) - np.float32(b)) / np.linalg.norm(np.float32(b))
+    )
+    errors = jax.tree.map(
+        lambda a, b, ref: (error(a, ref), error(b, ref)), grads, grads_full, grads_none
+    )
+    for ours, full in jax.tree.leaves(errors, is_leaf=lambda x: isinstance(x, tuple)):
+        assert ours <= 2 * full + 5e-3, (ours, full)

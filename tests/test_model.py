@@ -82,13 +82,18 @@ def test_cudnn_attention_off_gpu_is_a_config_error():
         LlamaConfig.from_config(c.model, "cpu")
 
 
-def test_dots_attention_policy_saves_the_cudnn_forward_primitives():
-    """The policy matches cuDNN attention's forward by primitive name: pinned to JAX's names."""
+def test_attention_policies_save_the_cudnn_forward_and_the_rings_results():
+    """The policy matches cuDNN attention's forward as JAX's public attention binds it (by
+    primitive name: pinned to JAX's names), not the core primitive the ring's blocks bind
+    (their per-block results), and the ring's merged results by name."""
+    from jax._src.ad_checkpoint import name_p
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    from angel_jax.remat import flash_attention_saveable
+    from angel_jax.remat import ATTENTION_RESULTS, flash_attention_saveable
 
-    assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p)
     assert flash_attention_saveable(cudnn._dot_product_attention_fwd_p_wrapper)
-    assert not flash_attention_saveable(cudnn._dot_product_attention_bwd_p)
+    assert not flash_attention_saveable(cudnn._dot_product_attention_fwd_p)
+    assert not flash_attention_saveable(cudnn._dot_product_attention_bwd_p_wrapper)
+    assert flash_attention_saveable(name_p, name=ATTENTION_RESULTS)
+    assert not flash_attention_saveable(name_p, name="attn_out")
     assert not flash_attention_saveable(jax.lax.exp_p)

@@ -246,6 +246,21 @@ def test_auto_remat_is_the_fastest_that_fits():
         exp("auto", gib(need["full"] * 0.9))
 
 
+def test_auto_remat_tries_the_policies_by_what_they_recompute():
+    """remat=auto tries its policies by the forward FLOPs their backward pass recomputes at
+    the config's sequence length: at long context, where attention outweighs the weight
+    matmuls, `attention` (the matmuls recomputed) before dots_no_batch (the attention's
+    forward recomputed), at short context after it. With no attention results to keep (XLA's
+    attention, no ring) neither dots_attention nor attention is offered; a ring has its own."""
+    choices = lambda seq, context: planner.remat_choices(
+        small_config(model__remat="auto", train__seq_len=seq, mesh__context=context)
+    )
+    # small_config's layer: 73,728 matmul FLOPs a token; attention 128 a key position.
+    assert choices(32, 4) == ("dots_attention", "dots_no_batch", "attention", "full")
+    assert choices(4096, 4) == ("dots_attention", "attention", "dots_no_batch", "full")
+    assert choices(4096, 1) == ("dots_no_batch", "full")  # XLA's attention on the CPU.
+
+
 def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(monkeypatch):
     """An estimate that lets dots_no_batch fit where its compiled step does not: `build`
     compiles the step the loop runs, finds it too large before anything is allocated, and

@@ -1,5 +1,7 @@
 """Ring attention (context) and Ulysses (sequence) equal attention on one device."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,3 +210,33 @@ def test_split_attention_moves_keys_and_values_by_its_collective_not_a_gather(ax
     hlo = jax.jit(attention).lower(q, k, v).compile().as_text()
     assert f" {collective}(" in hlo or f" {collective}-start(" in hlo, collective
     assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
+
+
+def test_remat_attention_keeps_the_rings_results_instead_of_running_it_again():
+    """remat=attention recomputes the layer as full does, but keeps the ring's merged output
+    and log-sum-exp: the same grads, and the backward pass sends no K/V around the ring for a
+    second forward (fewer collective-permutes in the compiled step: those of remat none)."""
+    from angel_jax import sharding
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    def compiled(remat):
+        config = small_config(mesh__data=2, mesh__context=4, model__remat=remat)
+        exp = build(config, make_mesh(config.mesh, jax.devices()))
+        params = exp.init_state().params
+        batch = exp.global_batch(make_batches(config)[0])
+        with sharding.use_rules(exp.mesh, exp.rules):
+            step = jax.jit(exp.grads.loss_and_grads)
+            hlo = step.lower(params, batch).compile().as_text()
+            _, grads = step(params, batch)
+        sends = len(re.findall(r" collective-permute(?:-start)?\(", hlo))
+        return sends, jax.device_get(grads)
+
+    sends_full, grads_full = compiled("full")
+    sends, grads = compiled("attention")
+    sends_none, _ = compiled("none")
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, grads_full
+    )
+    assert sends == sends_none < sends_full, (sends, sends_none, sends_full)

@@ -48,7 +48,8 @@ from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
-from angel_jax.remat import AUTO_REMATS, REMATS
+from angel_jax.parallel.stage_plan import layer_flops
+from angel_jax.remat import REMATS, auto_order, kept
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -335,7 +336,9 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh, remat: str) -> dic
     xla_keys = 0  # On XLA's attention some policies keep (T, T) arrays per head.
     if resolve_attention(m, jax.default_backend()) == "xla":
         xla_keys = m.num_heads / (tensor * mesh.shape[SEQUENCE]) * t.seq_len / mesh.shape[CONTEXT]
-    on_device, on_host = saved_values(remat, widths, xla_keys, itemsize)
+    on_device, on_host = saved_values(
+        kept(remat, keeps_attention_results(config)), widths, xla_keys, itemsize
+    )
     per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
     logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
     working = 0
@@ -709,13 +712,25 @@ def make_plan(
 
 def remat_choices(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     """The remat policies a plan may take: config.model.remat's, or with auto
-    remat.AUTO_REMATS (without dots_attention where the attention is not cuDNN's: there it
-    keeps what dots_no_batch does)."""
+    remat.AUTO_REMATS fastest first (`remat.auto_order`: by what their backward pass
+    recomputes at this sequence length), without dots_attention and attention where there are
+    no attention results of cuDNN's or a ring's to keep (there they keep what dots_no_batch
+    and full do)."""
     m = config.model
     if m.remat != "auto":
         return (m.remat,)
-    cudnn = resolve_attention(m, jax.default_backend()) == "cudnn"
-    return tuple(r for r in AUTO_REMATS if r != "dots_attention" or cudnn)
+    from angel_jax.models import make_model  # The models import the trainer's planner.
+
+    cfg = make_model(m, jax.default_backend())[0]
+    matmul, attention = layer_flops(cfg, config.train.seq_len)
+    return auto_order(keeps_attention_results(config), matmul, attention)
+
+
+def keeps_attention_results(config: ml_collections.ConfigDict) -> bool:
+    """Whether the attention's forward results are there for a remat policy to keep: cuDNN's
+    attention, or a ring (its merged results are named)."""
+    cudnn = resolve_attention(config.model, jax.default_backend()) == "cudnn"
+    return cudnn or config.mesh.context != 1
 
 
 def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:

@@ -24,11 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
 from angel_jax.kernels import RING_BLOCKS
 from angel_jax.mesh import CONTEXT, SEQUENCE
+from angel_jax.remat import ATTENTION_RESULTS
 from angel_jax.sharding import shard_map_mesh
 
 F32 = jnp.float32
@@ -197,7 +199,12 @@ def _ring_attention_local(q, k, v, axis, causal, blocks_impl):
 
 def _ring_fwd(q, k, v, axis, causal, blocks_impl):
     out, lse = _ring_forward(q, k, v, axis, causal, blocks_impl)
-    return out.astype(q.dtype), (q, k, v, out, lse)
+    # Named, so that a remat policy can keep them (remat.flash_attention_saveable) instead of
+    # running the whole ring forward again in the backward pass, which takes the output (the
+    # output projection's weight grad) as well as the residuals. The backward's blocks take
+    # the output in q's dtype, as cuDNN's does.
+    out, lse = checkpoint_name((out.astype(q.dtype), lse), ATTENTION_RESULTS)
+    return out, (q, k, v, out, lse)
 
 
 def _ring_bwd(axis, causal, blocks_impl, residuals, do):

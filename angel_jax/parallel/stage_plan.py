@@ -36,7 +36,7 @@ from angel_jax.memory import per_device_widths, saved_values, state_bytes_per_pa
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
-from angel_jax.remat import REMATS, STAGE_REMATS
+from angel_jax.remat import REMATS, auto_order, kept
 
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
@@ -96,17 +96,21 @@ class PipelinePlan:
         return "\n".join(line.rstrip() for line in lines)
 
 
+def layer_flops(cfg: DecoderShape, seq_len: int) -> tuple[float, float]:
+    """(weight matmuls', attention's) forward FLOPs of one layer per token (causal)."""
+    return 2 * cfg.layer_matmul_params(), 2 * seq_len * cfg.num_heads * cfg.head_dim
+
+
 def layer_forward_flops(cfg: DecoderShape, seq_len: int, remat: str) -> tuple[float, float]:
     """(forward FLOPs of one layer per token, what `remat` recomputes of it in a backward)."""
-    matmul = 2 * cfg.layer_matmul_params()
-    attention = 2 * seq_len * cfg.num_heads * cfg.head_dim
+    matmul, attention = layer_flops(cfg, seq_len)
     share_attention, share_matmul = REMATS[effective_remat(cfg, remat)].recompute
     return matmul + attention, share_attention * attention + share_matmul * matmul
 
 
 def effective_remat(cfg: DecoderShape, remat: str) -> str:
-    """dots_attention saves cuDNN's attention; on XLA's attention it is dots_no_batch."""
-    return "dots_no_batch" if remat == "dots_attention" and cfg.attention != "cudnn" else remat
+    """What `remat` keeps in a stage, whose attention is cuDNN's or XLA's (no ring)."""
+    return kept(remat, cfg.attention == "cudnn")
 
 
 def critical_path(schedule: Schedule, forward: np.ndarray, backward: np.ndarray) -> float:
@@ -211,7 +215,10 @@ def make_pipeline_plan(
     others = math.prod(n for a, n in mesh_shape.items() if a != PIPELINE)
     tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
     budget = _device_budget(config)
-    options = STAGE_REMATS if pc.remat == "auto" else (pc.remat,)
+    if pc.remat == "auto":
+        options = auto_order(cfg.attention == "cudnn", *layer_flops(cfg, t.seq_len))
+    else:
+        options = (pc.remat,)
     plans = [_plan(config, cfg, mesh_shape, schedule, tokens, r) for r in options]
     fitting = [plan for plan in plans if plan.memory_bytes.max() <= budget]
     return fitting[0] if fitting else plans[-1]
