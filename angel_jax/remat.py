@@ -29,7 +29,7 @@ LAYER_INPUT = "layer_input"
 
 # The attention's forward results its backward pass takes, named where the attention is ours:
 # the ring's merged output and log-sum-exp (parallel/attention.py). Without them the backward
-# pass runs the whole ring forward again, its sends included.
+# pass runs the whole ring forward again.
 ATTENTION_RESULTS = "attention_results"
 
 
@@ -101,9 +101,10 @@ REMATS = {
         xla_scores=4,
         expert_rows=(1, 1),
     ),
-    # Also cuDNN attention's forward (on XLA attention, the same as dots_no_batch): the layer
-    # input, Q, K, V, the attention output's projection, the gate and up projections, and
-    # cuDNN's attention output (its statistics are a few bytes a head).
+    # Also the attention's forward results (cuDNN's or a ring's; on XLA's attention without a
+    # ring, the same as dots_no_batch): the layer input, Q, K, V, the attention output's
+    # projection, the gate and up projections, and the attention output (its statistics are a
+    # few bytes a head).
     "dots_attention": Remat(
         _both(_dots_no_batch, flash_attention_saveable), (2, 2, 2, 2), (0, 0), expert_rows=(1, 1)
     ),
@@ -137,7 +138,9 @@ def kept(remat: str, attention_results: bool) -> str:
     return {"dots_attention": "dots_no_batch", "attention": "full"}.get(remat, remat)
 
 
-def auto_order(attention_results: bool, matmul_flops: float, attention_flops: float):
+def auto_order(
+    attention_results: bool, matmul_flops: float, attention_flops: float
+) -> tuple[str, ...]:
     """AUTO_REMATS fastest first: those that keep something of their own here, by the forward
     FLOPs their backward pass recomputes per token and layer (`matmul_flops` of the weight
     matmuls, `attention_flops` of the attention), the table's order breaking ties. At long

@@ -28,7 +28,8 @@
 # 2b (item 2, the rest of pipeline.py): 1F1B m=8 again, GPipe m=8, circular v=2 m=8 and the
 #    bubble sweep (1F1B m=2,4,16 with the fitted bubble) -> pipeline_2gpu_schedules.json. ~220 s.
 # 3a (item 3, ring attention with the new blocks: ring_blocks=auto, cuDNN's, else tokamax's):
-#    context=2 at 524,288 tokens, --warmup 0 (the step is compiled before it runs) ->
+#    context=2 at 524,288 tokens, remat auto (attention, compiled for two GPUs), --warmup 0
+#    (the step is compiled before it runs) ->
 #    long_context_2gpu_ring.json; then, if >= 150 s are left, context=2 at 131,072 (the old
 #    Pallas row's length, 0.052 MFU) -> long_context_2gpu_ring_131k.json. ~250 s (+ ~70 s).
 # 3b (item 3, its reference): Ulysses sequence=2 at 524,288, same settings ->
