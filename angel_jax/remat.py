@@ -86,7 +86,7 @@ def _offloading(names) -> Remat:
     return Remat(policy, (1, 0, 0, 0), offloaded=tuple(names))
 
 
-# In the order a pipeline's `remat=auto` tries its policies: fastest first.
+# The table's order breaks `auto_order`'s ties: fastest first, where two recompute alike.
 REMATS = {
     # Everything: the layer's input, norms' float32 intermediates (twice the values), Q, K, V,
     # the attention output, the MLP's four (M, F) values (and a bf16 cast of each weight when
@@ -129,6 +129,12 @@ STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not No
 AUTO_REMATS = STAGE_REMATS
 
 
+def has_attention_results(attention: str, context: int) -> bool:
+    """Whether a layer has attention forward results for a policy to keep: cuDNN's attention
+    (`attention` resolved), or a ring over `context` devices (its merged results are named)."""
+    return attention == "cudnn" or context > 1
+
+
 def kept(remat: str, attention_results: bool) -> str:
     """The entry whose values REMATS[remat] keeps: without attention forward results to keep
     (XLA's attention, no ring), dots_attention keeps what dots_no_batch does, and attention
@@ -146,8 +152,14 @@ def auto_order(
     matmuls, `attention_flops` of the attention), the table's order breaking ties. At long
     context, where attention outweighs the matmuls, attention comes before dots_no_batch."""
     own = [r for r in AUTO_REMATS if kept(r, attention_results) == r]
-    recomputed = lambda r: np.dot(REMATS[r].recompute, (attention_flops, matmul_flops))
-    return tuple(sorted(own, key=recomputed))
+    return tuple(sorted(own, key=lambda r: recomputed(r, matmul_flops, attention_flops)))
+
+
+def recomputed(remat: str, matmul_flops: float, attention_flops: float) -> float:
+    """The forward FLOPs a layer's backward pass recomputes per token under REMATS[remat]
+    (one of AUTO_REMATS), of `matmul_flops` of weight matmuls and `attention_flops` of
+    attention."""
+    return float(np.dot(REMATS[remat].recompute, (attention_flops, matmul_flops)))
 
 
 _input_to_host = _policies.save_and_offload_only_these_names(

@@ -263,7 +263,7 @@ def _with_a_faster_remat(config: ml_collections.ConfigDict, mesh: Mesh, exp: Exp
     took, which passes to the next (a compile each; the estimate errs high: by 14% for
     dots_no_batch and 34% for full on llama_1b at 48 x 2048 on the H200)."""
     plan = exp.plan
-    choices = planner.remat_choices(config)
+    choices = planner.remat_choices(config, mesh)
     faster = choices[: choices.index(plan.remat)]
     excess, activations = exp.steps.beyond_estimate, plan.state_bytes["activations"]
     if excess >= 0 or not faster or activations <= 0:

@@ -2,7 +2,7 @@
 
     python experiments/long_context.py [--context 1 | --sequence 1] [--start 32768] [--max 1048576]
         [--activations auto|device|host] [--mlp-chunks N] [--remats auto] [--warmup 1]
-        [--steps 1] [--compile-only]
+        [--steps 1] [--device-gib 0] [--compile-only]
 
 Each length (doubling from --start) trains `--warmup` then `--steps` timed steps of one
 sequence per context group (batch = 1 on one GPU) with chunked logits, under each remat of
@@ -10,7 +10,8 @@ sequence per context group (batch = 1 on one GPU) with chunked logits, under eac
 results, where it fits, else full); the table gives the remat, tokens/s, MFU (attention FLOPs
 included), peak memory, the compiled step's memory (XLA's temporaries on the device and in
 host memory) and where the plan put the layer inputs (`config.offload.activations`), and the
-longest length that trained. The step is compiled
+longest length that trained. --device-gib caps the device memory the planner may use (a
+shorter context then runs short of it as a longer one would). The step is compiled
 before it runs, so `--warmup 0` times a first step that holds no compilation. --compile-only
 builds, plans and compiles each length without running it: whether the step fits, and its
 memory. --context N splits the sequence over N devices with ring attention, --sequence N with
@@ -33,6 +34,7 @@ def run_overrides(
     mlp_chunks=1,
     activations="auto",
     remat="auto",
+    device_gib=0.0,
 ) -> list[str]:
     """One sequence of `length` tokens over context x sequence devices."""
     devices = context * sequence
@@ -48,6 +50,7 @@ def run_overrides(
         f"--config.model.ring_blocks={ring_blocks}",
         f"--config.model.mlp_chunks={mlp_chunks}",
         f"--config.offload.activations={activations}",
+        f"--config.offload.device_gib={device_gib}",
         "--config.checkpoint.every_steps=0",
     ]
 
@@ -63,6 +66,9 @@ def main() -> int:
     p.add_argument("--activations", default="auto", choices=("auto", "device", "host"))
     p.add_argument("--mlp-chunks", type=int, default=1, help="config.model.mlp_chunks")
     p.add_argument("--remats", default="auto", help="comma-separated config.model.remat values")
+    p.add_argument(
+        "--device-gib", type=float, default=0.0, help="config.offload.device_gib (0: the device's)"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--compile-only", action="store_true")
@@ -79,6 +85,7 @@ def main() -> int:
                 args.mlp_chunks,
                 args.activations,
                 remat,
+                args.device_gib,
             )
             steps = -1 if args.compile_only else args.steps
             result = run_ours(args.config, overrides, steps=steps, warmup=args.warmup)

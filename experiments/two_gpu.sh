@@ -31,7 +31,8 @@
 #    context=2 at 524,288 tokens, remat auto (attention, compiled for two GPUs), --warmup 0
 #    (the step is compiled before it runs) ->
 #    long_context_2gpu_ring.json; then, if >= 150 s are left, context=2 at 131,072 (the old
-#    Pallas row's length, 0.052 MFU) -> long_context_2gpu_ring_131k.json. ~250 s (+ ~70 s).
+#    Pallas row's length, 0.052 MFU; remat auto takes dots_attention there) ->
+#    long_context_2gpu_ring_131k.json. ~250 s (+ ~70 s).
 # 3b (item 3, its reference): Ulysses sequence=2 at 524,288, same settings ->
 #    long_context_2gpu_ulysses.json. ~200 s (the 2026-11-29 step took 140 s).
 # 4a (item 4, MoE expert=2): dropless (grouped GEMMs, moe_kernel=auto), topk with dispatch

@@ -32,8 +32,8 @@ LLAMA_1B, LLAMA3_8B = (str(ROOT / f"configs/{n}.py") for n in ("llama_1b", "llam
 
 
 def runs() -> list[tuple[str, str, str, list[str], str]]:
-    """(two_gpu.sh's run, name, config, overrides, XLA flags) of each two-GPU step; a step
-    two runs share is compiled once, under the first."""
+    """(two_gpu.sh's run, name, config, overrides, XLA flags) of each two-GPU step, under
+    each run that takes it."""
     out = [
         ("1", f"weak data=2, collectives {setting}", LLAMA_1B, scaling.weak_overrides(2, 3), flags)
         for setting, flags in scaling.COLLECTIVES.items()
@@ -68,13 +68,20 @@ def runs() -> list[tuple[str, str, str, list[str], str]]:
         for name, config, overrides in scaling.named_runs(2, LLAMA_1B)
         if name.startswith("llama3_8b") and "pipeline" not in name
     ]
-    seen, unique = set(), []
-    for run in out:  # 4b's dense twin is 4a's.
+    return out
+
+
+def selected(only: str) -> list[tuple]:
+    """The runs of two_gpu.sh's comma-separated `only` (all when empty; 2 is 2a and 2b), each
+    step once (4b's dense twin is 4a's): the first label kept."""
+    labels = set(filter(None, only.split(",")))
+    seen, out = set(), []
+    for run in runs():
         key = (run[2], tuple(run[3]), run[4])
-        if key not in seen:
+        if (not labels or labels & {run[0], run[0].rstrip("ab")}) and key not in seen:
             seen.add(key)
-            unique.append(run)
-    return unique
+            out.append(run)
+    return out
 
 
 def compile_run(run: tuple, hlo_dir: str) -> dict:
@@ -117,8 +124,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "experiments/results/two_gpu_compiled.json"))
     p.add_argument("--hlo-dir", default="/tmp/two_gpu_compiled_hlo")
     a = p.parse_args()
-    only = set(filter(None, a.only.split(",")))
-    todo = [r for r in runs() if not only or r[0] in only or r[0].rstrip("ab") in only]
+    todo = selected(a.only)
     # This process records the machine (JAX on the GPU) beside the children: it takes none of
     # the GPU's memory up front either.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

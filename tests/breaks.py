@@ -80,8 +80,31 @@ BREAKS = [
     (
         "remat auto tries its policies in the table's order",
         "angel_jax/remat.py",
-        "    return tuple(sorted(own, key=recomputed))",
+        "    return tuple(sorted(own, key=lambda r: recomputed(r, matmul_flops, attention_flops)))",
         "    return tuple(own)",
+        ["tests/test_offload.py::test_auto_remat_tries_the_policies_by_what_they_recompute"],
+    ),
+    (
+        "remat auto tries every remat on the device before the host's tier",
+        "angel_jax/offload/planner.py",
+        "    return sorted(pairs, key=cost)",
+        "    return pairs",
+        [
+            "tests/test_offload.py::test_auto_remat_weighs_the_inputs_copies_against_the_recompute_they_spare"
+        ],
+    ),
+    (
+        "the stage plan ignores a ring's attention results",
+        "angel_jax/parallel/stage_plan.py",
+        "    return kept(remat, has_attention_results(cfg.attention, mesh_shape[CONTEXT]))",
+        '    return kept(remat, cfg.attention == "cudnn")',
+        ["tests/test_pipeline.py::test_a_rings_layer_keeps_what_the_memory_model_counts"],
+    ),
+    (
+        "the planner takes an unresolved context axis for a ring",
+        "angel_jax/offload/planner.py",
+        "    return has_attention_results(attention, mesh.shape[CONTEXT])",
+        '    return attention == "cudnn" or config.mesh.context != 1',
         ["tests/test_offload.py::test_auto_remat_tries_the_policies_by_what_they_recompute"],
     ),
     (

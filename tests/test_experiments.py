@@ -220,7 +220,11 @@ def test_the_two_gpu_runs_compiled_on_fewer_gpus_are_issue_25s_and_valid_configs
     runs = two_gpu_compiled.runs()
     script = (throughput.ROOT / "experiments/two_gpu.sh").read_text()
     assert {r[0] for r in runs} == set(re.findall(r"^(\w+)\)$", script, re.M)) - {"setup"}
-    assert len({r[1] for r in runs}) == len(runs)
+    steps = lambda runs: {(r[2], tuple(r[3]), r[4]) for r in runs}
+    for label in {r[0] for r in runs}:  # A run alone compiles all its steps.
+        assert steps(two_gpu_compiled.selected(label)) == steps(r for r in runs if r[0] == label)
+    everything = two_gpu_compiled.selected("")
+    assert len(everything) == len(steps(runs)) == len({r[1] for r in everything})
     for _, _, config, overrides, _ in runs:
         validate(load_config(config, overrides))  # As `build` checks it in the child.
     with pytest.raises(SystemExit, match="COMPILE_FOR_DEVICES=2: compile-only devices"):

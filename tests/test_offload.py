@@ -252,13 +252,52 @@ def test_auto_remat_tries_the_policies_by_what_they_recompute():
     matmuls, `attention` (the matmuls recomputed) before dots_no_batch (the attention's
     forward recomputed), at short context after it. With no attention results to keep (XLA's
     attention, no ring) neither dots_attention nor attention is offered; a ring has its own."""
-    choices = lambda seq, context: planner.remat_choices(
-        small_config(model__remat="auto", train__seq_len=seq, mesh__context=context)
-    )
+
+    def choices(seq, context, data):
+        config = small_config(
+            model__remat="auto", train__seq_len=seq, mesh__context=context, mesh__data=data
+        )
+        return planner.remat_choices(config, make_mesh(config.mesh))
+
     # small_config's layer: 73,728 matmul FLOPs a token; attention 128 a key position.
-    assert choices(32, 4) == ("dots_attention", "dots_no_batch", "attention", "full")
-    assert choices(4096, 4) == ("dots_attention", "attention", "dots_no_batch", "full")
-    assert choices(4096, 1) == ("dots_no_batch", "full")  # XLA's attention on the CPU.
+    assert choices(32, 4, 2) == ("dots_attention", "dots_no_batch", "attention", "full")
+    assert choices(4096, 4, 2) == ("dots_attention", "attention", "dots_no_batch", "full")
+    # XLA's attention on the CPU, and no ring: context=-1 takes what data leaves, here 1.
+    assert choices(4096, -1, 8) == ("dots_no_batch", "full")
+
+
+@pytest.mark.parametrize("seq_len", [16384, 524288])
+def test_auto_remat_weighs_the_inputs_copies_against_the_recompute_they_spare(seq_len):
+    """With room on the device for full remat, or for attention with the layer inputs in host
+    memory (the same bytes on llama_1b: its attention output is d_model wide), auto takes the
+    one that costs less: at long context the inputs' copies cost less than recomputing the
+    attention forward, at short context more (a ring over 8 devices: its results are kept)."""
+    mesh_overrides = ["--config.mesh.data=1", "--config.mesh.context=8"]
+    overrides = [
+        *mesh_overrides,
+        f"--config.train.seq_len={seq_len}",
+        "--config.train.batch_size=1",
+    ]
+    overrides += ["--config.model.logits_chunks=8", "--config.offload.host_gib=64"]
+
+    def plan(remat, inputs, gib=1000):
+        config = load_config(
+            "configs/llama_1b.py",
+            [
+                *overrides,
+                f"--config.model.remat={remat}",
+                f"--config.offload.activations={inputs}",
+                f"--config.offload.device_gib={gib}",
+            ],
+        )
+        return build(config, make_mesh(config.mesh), fit_compiled=False).plan
+
+    need = lambda remat, inputs: plan(remat, inputs).tier_bytes(DEVICE)
+    room = max(need("full", "device"), need("attention", "host"))
+    assert room < need("attention", "device")
+    picked = plan("auto", "auto", room * 1.001 / planner.USABLE / 2**30)
+    expected = ("attention", True) if seq_len > 65536 else ("full", False)
+    assert (picked.remat, picked.layer_inputs_on_host) == expected
 
 
 def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(monkeypatch):

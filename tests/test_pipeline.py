@@ -13,7 +13,7 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.memory import saved_values
-from angel_jax.mesh import make_mesh
+from angel_jax.mesh import CONTEXT, make_mesh
 from angel_jax.models.llama import LlamaConfig, decoder_layer
 from angel_jax.parallel.pipeline import (
     IDLE,
@@ -211,12 +211,14 @@ def test_pipeline_equals_the_model_without_one(case, reference):
     )
 
 
-def layer_residuals(remat: str):
+def layer_residuals(remat: str, context: int = 1):
     """(layer config, batch, length, what one bf16 layer keeps from its forward for its
-    backward under `remat`, the `Residuals` that recorded where each came from)."""
-    config = small_config(model__dtype="bfloat16", model__remat=remat)
+    backward under `remat`, the `Residuals` that recorded where each came from); with
+    `context` > 1, a ring's layer (data=2 x context on 2 x context devices)."""
+    mesh = dict(mesh__data=2, mesh__context=context) if context > 1 else {}
+    config = small_config(model__dtype="bfloat16", model__remat=remat, **mesh)
     cfg = LlamaConfig.from_config(config.model, "cpu")
-    exp = build(config, make_mesh(config.mesh, jax.devices()[:1]))
+    exp = build(config, make_mesh(config.mesh, jax.devices()[: 2 * context if mesh else 1]))
     params = jax.tree.map(lambda x: x[0], exp.init_state().params["layers"])
     b, t = 2, config.train.seq_len
     h = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
@@ -226,7 +228,8 @@ def layer_residuals(remat: str):
         _, vjp = jax.vjp(functools.partial(decoder_layer, cfg), params, h)
         return residuals.save(vjp, params)
 
-    saved = jax.eval_shape(forward, params, h)
+    with sharding.use_rules(exp.mesh, exp.rules):
+        saved = jax.eval_shape(forward, params, h)
     return cfg, b, t, saved, residuals, len(jax.tree.leaves(params))
 
 
@@ -237,11 +240,26 @@ def test_kept_residuals_are_activations_only(remat):
     cfg, b, t, saved, residuals, weights = layer_residuals(remat)
     assert saved and all(x.shape[:2] == (b, t) for x in saved), [x.shape for x in saved]
     # The planner's memory model counts the same bytes (dots_attention is dots_no_batch here).
-    units = REMATS[effective_remat(cfg, remat)].widths
+    units = REMATS[effective_remat(cfg, remat, {CONTEXT: 1})].widths
     widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     assert sum(x.size for x in saved) == b * t * np.dot(units, (*widths, cfg.ffn_dim))
     # Every weight the layer has is looked up again in B, not kept per microbatch.
     assert sorted(i for i in residuals.sources if i >= 0) == list(range(weights))
+
+
+@pytest.mark.parametrize("remat", STAGE_REMATS)
+def test_a_rings_layer_keeps_what_the_memory_model_counts(remat):
+    """With ring attention (context=4) the layer keeps, per token, the values the planners
+    count for `remat` (bf16; the ring's output once per token where the policy keeps the
+    attention's results), and the ring's float32 log-sum-exp, one per head, beside it."""
+    cfg, b, t, saved, _, _ = layer_residuals(remat, context=4)
+    mesh_shape = {CONTEXT: 4}
+    units = REMATS[effective_remat(cfg, remat, mesh_shape)].widths
+    widths = (cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    size = lambda dtype: sum(x.size for x in saved if x.dtype == dtype)
+    assert size(jnp.bfloat16) == b * t * np.dot(units, (*widths, cfg.ffn_dim))
+    keeps_results = remat in ("dots_attention", "attention")
+    assert size(jnp.float32) == (b * t * cfg.num_heads if keeps_results else 0)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots"])

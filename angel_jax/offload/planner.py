@@ -49,7 +49,7 @@ from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
 from angel_jax.parallel.stage_plan import layer_flops
-from angel_jax.remat import REMATS, auto_order, kept
+from angel_jax.remat import REMATS, auto_order, has_attention_results, kept, recomputed
 
 DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
 CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
@@ -337,7 +337,7 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh, remat: str) -> dic
     if resolve_attention(m, jax.default_backend()) == "xla":
         xla_keys = m.num_heads / (tensor * mesh.shape[SEQUENCE]) * t.seq_len / mesh.shape[CONTEXT]
     on_device, on_host = saved_values(
-        kept(remat, keeps_attention_results(config)), widths, xla_keys, itemsize
+        kept(remat, keeps_attention_results(config, mesh)), widths, xla_keys, itemsize
     )
     per_value = m.num_layers * tokens * itemsize  # Bytes of one value per token and layer.
     logits = 2 * tokens * m.vocab_size * 4 / tensor / m.logits_chunks
@@ -524,7 +524,7 @@ def make_plan(
         none = dict.fromkeys(("layer inputs", "offloaded activations"), 0)
         activations = {pipeline.remat: {**none, "activations": int(pipeline.activation_bytes)}}
     else:
-        remats = remat_choices(config)
+        remats = remat_choices(config, mesh)
         activations = {r: activation_bytes(config, mesh, r) for r in remats}
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
@@ -654,16 +654,12 @@ def make_plan(
             "config.offload.policy=params streams layer weights inside remat: set "
             "config.model.remat (e.g. full, dots_no_batch or auto), not none"
         )
-    # Offload policies first, then the inputs' tier, then remat: on the H200 the layer inputs'
-    # copies cost more than the attention forward that dots_attention spares, and about what
-    # full remat costs (llama_1b at 48 x 2048: dots_no_batch 1.40 s a step, dots_attention
-    # with the inputs in host memory 1.55, full 1.56; remat_auto_llama_1b.json), and less than
-    # an update's copies of the optimizer state.
+    # Offload policies first (the layer inputs' copies cost less than an update's of the
+    # optimizer state), then the inputs' tier and remat together (`inputs_and_remats`).
     candidates = [
         placed(n, r, tier)
         for n in names
-        for tier in inputs
-        for r in remats
+        for tier, r in inputs_and_remats(config, mesh, inputs, remats)
         if not (r == "none" and n == "params")  # Layer streaming runs inside remat.
         if tier == DEVICE or (r != "none" and inputs_offloadable)
     ]
@@ -710,8 +706,8 @@ def make_plan(
     )
 
 
-def remat_choices(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-    """The remat policies a plan may take: config.model.remat's, or with auto
+def remat_choices(config: ml_collections.ConfigDict, mesh) -> tuple[str, ...]:
+    """The remat policies a plan on `mesh` may take: config.model.remat's, or with auto
     remat.AUTO_REMATS fastest first (`remat.auto_order`: by what their backward pass
     recomputes at this sequence length), without dots_attention and attention where there are
     no attention results of cuDNN's or a ring's to keep (there they keep what dots_no_batch
@@ -719,18 +715,48 @@ def remat_choices(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     m = config.model
     if m.remat != "auto":
         return (m.remat,)
+    return auto_order(keeps_attention_results(config, mesh), *_layer_flops(config))
+
+
+def _layer_flops(config: ml_collections.ConfigDict) -> tuple[float, float]:
+    """(weight matmuls', attention's) forward FLOPs of one of config.model's layers per token
+    at config.train.seq_len."""
     from angel_jax.models import make_model  # The models import the trainer's planner.
 
-    cfg = make_model(m, jax.default_backend())[0]
-    matmul, attention = layer_flops(cfg, config.train.seq_len)
-    return auto_order(keeps_attention_results(config), matmul, attention)
+    return layer_flops(make_model(config.model, jax.default_backend())[0], config.train.seq_len)
 
 
-def keeps_attention_results(config: ml_collections.ConfigDict) -> bool:
-    """Whether the attention's forward results are there for a remat policy to keep: cuDNN's
-    attention, or a ring (its merged results are named)."""
-    cudnn = resolve_attention(config.model, jax.default_backend()) == "cudnn"
-    return cudnn or config.mesh.context != 1
+# What a byte of a layer input's copies to host memory and back costs a step, in FLOPs of
+# recompute: the H200's matmul rate over its host link's (805 TFLOP/s, 50 GB/s each way),
+# doubled for a margin in the device's favour, whose plans leave the pinned pool alone: where
+# those rates put full's recompute and dots_attention's copies even (llama_1b at 48 x 2048:
+# 0.25 and 0.26 s a step) the H200 measured them even (0.21 and 0.20 s;
+# remat_auto_llama_1b.json).
+FLOPS_PER_COPIED_BYTE = 2 * 805e12 / 50e9
+
+
+def inputs_and_remats(config, mesh, tiers, remats) -> list[tuple[str, str]]:
+    """The (layer inputs' tier, remat) pairs a plan tries, fastest first: with remat auto,
+    by the forward FLOPs the backward pass recomputes per token and layer plus, for inputs in
+    host memory, their copies' cost (FLOPS_PER_COPIED_BYTE); ties keep the device first. At
+    short context the device's tier comes first with every remat; at long context, where the
+    attention forward outweighs the copies, attention with its inputs in host memory comes
+    before full on the device (llama_1b at 524,288 tokens: 2.1 GFLOP a token and layer of
+    causal attention, against 8 KiB of copies, 0.26 GFLOP at that rate)."""
+    pairs = [(tier, r) for tier in tiers for r in remats]
+    if len(tiers) == 1 or len(remats) == 1:
+        return pairs
+    flops, m = _layer_flops(config), config.model
+    copies = 2 * m.d_model * np.dtype(m.dtype).itemsize * FLOPS_PER_COPIED_BYTE
+    cost = lambda pair: recomputed(pair[1], *flops) + (copies if pair[0] == HOST else 0)
+    return sorted(pairs, key=cost)
+
+
+def keeps_attention_results(config: ml_collections.ConfigDict, mesh) -> bool:
+    """Whether the attention's forward results are there for a remat policy to keep on
+    `mesh`: cuDNN's attention, or a ring (its merged results are named)."""
+    attention = resolve_attention(config.model, jax.default_backend())
+    return has_attention_results(attention, mesh.shape[CONTEXT])
 
 
 def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:

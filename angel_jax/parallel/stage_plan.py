@@ -36,7 +36,7 @@ from angel_jax.memory import per_device_widths, saved_values, state_bytes_per_pa
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
-from angel_jax.remat import REMATS, auto_order, kept
+from angel_jax.remat import REMATS, auto_order, has_attention_results, kept
 
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
@@ -101,16 +101,18 @@ def layer_flops(cfg: DecoderShape, seq_len: int) -> tuple[float, float]:
     return 2 * cfg.layer_matmul_params(), 2 * seq_len * cfg.num_heads * cfg.head_dim
 
 
-def layer_forward_flops(cfg: DecoderShape, seq_len: int, remat: str) -> tuple[float, float]:
+def layer_forward_flops(
+    cfg: DecoderShape, seq_len: int, remat: str, mesh_shape: dict[str, int]
+) -> tuple[float, float]:
     """(forward FLOPs of one layer per token, what `remat` recomputes of it in a backward)."""
     matmul, attention = layer_flops(cfg, seq_len)
-    share_attention, share_matmul = REMATS[effective_remat(cfg, remat)].recompute
+    share_attention, share_matmul = REMATS[effective_remat(cfg, remat, mesh_shape)].recompute
     return matmul + attention, share_attention * attention + share_matmul * matmul
 
 
-def effective_remat(cfg: DecoderShape, remat: str) -> str:
-    """What `remat` keeps in a stage, whose attention is cuDNN's or XLA's (no ring)."""
-    return kept(remat, cfg.attention == "cudnn")
+def effective_remat(cfg: DecoderShape, remat: str, mesh_shape: dict[str, int]) -> str:
+    """What `remat` keeps in a stage on a mesh of `mesh_shape`."""
+    return kept(remat, has_attention_results(cfg.attention, mesh_shape[CONTEXT]))
 
 
 def critical_path(schedule: Schedule, forward: np.ndarray, backward: np.ndarray) -> float:
@@ -216,7 +218,8 @@ def make_pipeline_plan(
     tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
     budget = _device_budget(config)
     if pc.remat == "auto":
-        options = auto_order(cfg.attention == "cudnn", *layer_flops(cfg, t.seq_len))
+        results = has_attention_results(cfg.attention, mesh_shape[CONTEXT])
+        options = auto_order(results, *layer_flops(cfg, t.seq_len))
     else:
         options = (pc.remat,)
     plans = [_plan(config, cfg, mesh_shape, schedule, tokens, r) for r in options]
@@ -227,7 +230,9 @@ def make_pipeline_plan(
 def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
     p, v = schedule.stages, schedule.virtual
     chunks = p * v
-    layer, recompute = (tokens * f for f in layer_forward_flops(cfg, config.train.seq_len, remat))
+    layer, recompute = (
+        tokens * f for f in layer_forward_flops(cfg, config.train.seq_len, remat, mesh_shape)
+    )
     head = tokens * (2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size)
 
     # With `context` split every stage runs its padded slots too (pipeline.py): every chunk
@@ -293,7 +298,7 @@ def _memory_bytes(
         config.model.sequence_parallel,
     )
     d = widths[0]
-    saved, _ = saved_values(effective_remat(cfg, remat), widths)
+    saved, _ = saved_values(effective_remat(cfg, remat, mesh_shape), widths)
     # Per slot: a chunk's layer slots' residuals and the head's input; one slot more for the
     # copies in flight (an F's new residuals before they go into the buffer, a B's slot).
     per_slot = rows * (layout.slots * saved + d) * dtype_bytes
