@@ -728,10 +728,13 @@ def _layer_flops(config: ml_collections.ConfigDict) -> tuple[float, float]:
 
 # What a byte of a layer input's copies to host memory and back costs a step, in FLOPs of
 # recompute: the H200's matmul rate over its host link's (805 TFLOP/s, 50 GB/s each way),
-# doubled for a margin in the device's favour, whose plans leave the pinned pool alone: where
-# those rates put full's recompute and dots_attention's copies even (llama_1b at 48 x 2048:
-# 0.25 and 0.26 s a step) the H200 measured them even (0.21 and 0.20 s;
-# remat_auto_llama_1b.json).
+# doubled for a margin in the device's favour, whose plans leave the pinned pool alone (a
+# first step with inputs in host memory paid about 20 s once on the H200). At short context
+# the two are even: llama_1b at 48 x 2048, full's recompute over dots_attention's and the
+# inputs' copies took 0.22 and 0.20 s a step (remat_auto_llama_1b_attention.json; the rates
+# alone say 0.26 and 0.35). At 262,144 tokens attention with the inputs in host memory ran
+# 1.26x full on the device, its copies 0.3% of the step
+# (long_context_1gpu_262k_attention_host_warm.json, README "Remat attention for long context").
 FLOPS_PER_COPIED_BYTE = 2 * 805e12 / 50e9
 
 
@@ -741,8 +744,8 @@ def inputs_and_remats(config, mesh, tiers, remats) -> list[tuple[str, str]]:
     host memory, their copies' cost (FLOPS_PER_COPIED_BYTE); ties keep the device first. At
     short context the device's tier comes first with every remat; at long context, where the
     attention forward outweighs the copies, attention with its inputs in host memory comes
-    before full on the device (llama_1b at 524,288 tokens: 2.1 GFLOP a token and layer of
-    causal attention, against 8 KiB of copies, 0.26 GFLOP at that rate)."""
+    before full on the device (llama_1b from about 64k tokens: there 0.27 GFLOP a token and
+    layer of causal attention, against 8 KiB of copies, 0.26 GFLOP at that rate)."""
     pairs = [(tier, r) for tier in tiers for r in remats]
     if len(tiers) == 1 or len(remats) == 1:
         return pairs
