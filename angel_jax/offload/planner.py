@@ -659,7 +659,7 @@ def make_plan(
     candidates = [
         placed(n, r, tier)
         for n in names
-        for tier, r in inputs_and_remats(config, mesh, inputs, remats)
+        for tier, r in inputs_and_remats(config, inputs, remats)
         if not (r == "none" and n == "params")  # Layer streaming runs inside remat.
         if tier == DEVICE or (r != "none" and inputs_offloadable)
     ]
@@ -738,7 +738,7 @@ def _layer_flops(config: ml_collections.ConfigDict) -> tuple[float, float]:
 FLOPS_PER_COPIED_BYTE = 2 * 805e12 / 50e9
 
 
-def inputs_and_remats(config, mesh, tiers, remats) -> list[tuple[str, str]]:
+def inputs_and_remats(config, tiers, remats) -> list[tuple[str, str]]:
     """The (layer inputs' tier, remat) pairs a plan tries, fastest first: with remat auto,
     by the forward FLOPs the backward pass recomputes per token and layer plus, for inputs in
     host memory, their copies' cost (FLOPS_PER_COPIED_BYTE); ties keep the device first. At
