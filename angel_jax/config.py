@@ -207,6 +207,12 @@ def default_config() -> ml_collections.ConfigDict:
     # queue behind the step. Slower than the exact update on the H200 (README). A checkpoint
     # applies the waiting update first (resuming from one gives the same run).
     c.offload.delayed_update = False
+    # The offloaded update inside the forward/backward's program (exact math, one program a
+    # step), for unrolled layers (config.model.scan_layers=false), whose host copies XLA
+    # runs beside the compute. Each chunk waits for its grad, and for the global grad norm
+    # when it clips (train.grad_clip) or skips anomalies (monitor.on_anomaly=skip): only
+    # without both can a layer's update run beside the backward pass of the layers before it.
+    c.offload.update_in_step = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).
     c.fp8 = ml_collections.ConfigDict()

@@ -122,6 +122,8 @@ def make_state_layout(
             f"the plan's policy ({plan.policy}) keeps the optimizer on the device: set "
             "config.offload.policy=optimizer or params, or delayed_update=false"
         )
+    if config.offload.update_in_step:
+        _check_update_in_step(config, plan)
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
@@ -193,3 +195,28 @@ def make_state_layout(
         offloaded=offloaded,
         powersgd=powersgd,
     )
+
+
+def _check_update_in_step(config: ml_collections.ConfigDict, plan: Plan) -> None:
+    """config.offload.update_in_step's needs, each with its setting."""
+    from angel_jax.models import family_of  # The models import the trainer's planner.
+
+    needs = []
+    if not plan.offloads_optimizer or plan.streams_params:
+        needs.append(
+            f"the optimizer offloaded without layer streaming (the plan's policy is "
+            f"{plan.policy}): config.offload.policy=optimizer"
+        )
+    if config.model.scan_layers:
+        needs.append("the layers unrolled: config.model.scan_layers=false")
+    if family_of(config.model).pieces is None:
+        needs.append(f"a decoder family with unrolled layers (not {config.model.family})")
+    if config.offload.delayed_update:
+        needs.append("this step's grads: config.offload.delayed_update=false")
+    if plan.on_ssd or plan.on_cpu:
+        needs.append(
+            'every chunk on the device or in pinned host memory: config.offload.ssd_dir="" '
+            "and config.offload.cpu_update=0"
+        )
+    if needs:
+        raise ConfigError("config.offload.update_in_step=true needs " + "; ".join(needs))

@@ -8,6 +8,7 @@ step's update (`monitor.skip_if_anomalous`). The grads come from `exp.grads`
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from angel_jax.config import ConfigError
 from angel_jax.data.objectives import row_width
 from angel_jax.monitor import skip_if_anomalous
 from angel_jax.offload.planner import check_compiled
-from angel_jax.offload.stream import global_norm
+from angel_jax.offload.stream import global_norm, update_in_step
 from angel_jax.optim import learning_rate_schedule
 from angel_jax.state_layout import TrainState
 
@@ -276,3 +277,106 @@ class OffloadedStep(_Step):
                 return self._update(state, step, grads, scale, fetched), metrics
 
         return run
+
+
+class InStepUpdate(OffloadedStep):
+    """config.offload.update_in_step: the offloaded update traced into the forward/backward's
+    program (`stream.update_in_step`), one program a step. Its layers unrolled, XLA compiles
+    each chunk's host copies as asynchronous copies (copy-start/copy-done) that its scheduler
+    runs beside the compute, where a scanned layer's copies are synchronous
+    (`fused_update_probe.json`, README "Update inside the step"). A chunk's update waits for its
+    grad, and for the global grad norm when it clips (config.train.grad_clip) or skips
+    anomalous steps (config.monitor.on_anomaly=skip): only without both can the update of a
+    layer the backward pass has left run beside the backward pass of the layers before it.
+    The math is the streamed update's."""
+
+    def __init__(self, exp):
+        super().__init__(exp)
+        self.order = backward_order(exp)
+        self.guarded = exp.config.monitor.on_anomaly == "skip"
+
+    def update(self, state: TrainState, batch_BT1: jax.Array, ceiling=None):
+        """(state, batch[, loss ceiling]) -> (next state, metrics), traced; with a ceiling the
+        update of an anomalous step is left out (`monitor.skip_if_anomalous`'s test)."""
+        exp = self.exp
+        metrics, grads = exp.grads.loss_and_grads(state.compute_params, batch_BT1)
+        in_flight = exp.config.offload.chunks_in_flight
+        norm = global_norm(grads, exp.stacked, in_flight)
+        ok = None
+        if ceiling is not None:
+            loss = metrics["loss"]
+            ok = jnp.isfinite(loss) & jnp.isfinite(norm) & (loss <= ceiling)
+            metrics["skipped"] = jnp.logical_not(ok).astype(jnp.int32)
+        flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
+        chunks, scale = exp.streamed_update.chunks, exp.optimizer.clip_scale(norm)
+        new = update_in_step(
+            exp.optimizer, chunks, self.order, flat[0], scale, *flat[1:], in_flight, ok
+        )
+        metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(state.step))
+        treedef = jax.tree.structure(exp.stacked)
+        return TrainState(state.step + 1, *(treedef.unflatten(t) for t in new), state.comm), metrics
+
+    def _lowered(self, guarded: bool) -> jax.stages.Lowered:
+        exp, replicated = self.exp, self.replicated
+        args, shardings = (
+            [exp.abstract_state, self.abstract_batch()],
+            [exp.state_sharding, exp.batch_sharding],
+        )
+        if guarded:
+            args.append(jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated))
+            shardings.append(replicated)
+        jitted = jax.jit(
+            self.update,
+            in_shardings=tuple(shardings),
+            out_shardings=(exp.state_sharding, replicated),
+            donate_argnums=0,
+        )
+        with sharding.use_rules(exp.mesh, exp.rules):
+            return jitted.lower(*args)
+
+    @functools.cached_property
+    def grad_step_lowered(self) -> jax.stages.Lowered:
+        """The whole step in the form the loop runs (guarded when it skips anomalies): what
+        `build` compiles and checks against the plan (`grad_step`)."""
+        return self._lowered(self.guarded)
+
+    def _compiled(self, guarded: bool):
+        return (
+            self.grad_step
+            if guarded == self.guarded
+            else self.checked(self._lowered(guarded).compile())
+        )
+
+    @functools.cached_property
+    def train_step(self):
+        return self._compiled(False)
+
+    @functools.cached_property
+    def guarded_train_step(self):
+        compiled = self._compiled(True)
+        return lambda state, batch, ceiling: compiled(state, batch, self.ceiling_array(ceiling))
+
+
+def backward_order(exp) -> list[int]:
+    """The streamed update's chunks (unstacked weights) in the order the backward pass
+    finishes their grads: the weights after the layers (final norm, LM head), the layers
+    last to first, then the weights the embedding reads (tied ones included)."""
+    from angel_jax.models import family_of  # The models import the trainer's planner.
+
+    pieces, cfg = family_of(exp.config.model).pieces, exp.model_config
+    params = exp.abstract_state.compute_params
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    with sharding.use_rules(exp.mesh, exp.rules):
+        jaxpr = jax.make_jaxpr(lambda p, t: pieces.embed(cfg, p, t, 0))(params, tokens).jaxpr
+    read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    embedding = {w for w, v in enumerate(jaxpr.invars[:-1]) if id(v) in read}
+    layer = re.compile(re.escape(pieces.unrolled_name).replace(re.escape("{}"), r"(\d+)"))
+
+    def key(k):
+        c = exp.streamed_update.chunks[k]
+        found = layer.fullmatch(str(c.path[0].key))
+        if found:
+            return (1, -int(found.group(1)))
+        return (2, 0) if c.weight in embedding else (0, 0)
+
+    return sorted(range(len(exp.streamed_update.chunks)), key=key)

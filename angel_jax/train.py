@@ -35,7 +35,7 @@ from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.parallel.attention import zigzag_order
 from angel_jax.parallel.stage_plan import PipelinePlan, make_pipeline_plan
 from angel_jax.state_layout import TrainState, make_state_layout
-from angel_jax.steps import DeviceStep, OffloadedStep
+from angel_jax.steps import DeviceStep, InStepUpdate, OffloadedStep
 
 # Plans `build` makes at most, each for what the last one's compiled step took.
 _MOST_PLANS = 6
@@ -179,7 +179,9 @@ class Experiment:
     @functools.cached_property
     def steps(self) -> DeviceStep | OffloadedStep:
         """The train step's form, as the plan places the optimizer state."""
-        return (OffloadedStep if self.plan.offloads_optimizer else DeviceStep)(self)
+        if not self.plan.offloads_optimizer:
+            return DeviceStep(self)
+        return (InStepUpdate if self.config.offload.update_in_step else OffloadedStep)(self)
 
     @property
     def train_step(self):

@@ -1,37 +1,47 @@
-"""Probe for the ZeRO-Cache update fused into the next step's forward (the ZeRO-Cache issue's
-item 1): inside one scan over layers, can XLA overlap each layer's optimizer update (its fp32
-master and AdamW moments fetched from pinned host memory, updated with the previous step's
-grads, sent back) with the previous layer's forward compute?
+"""Probe for the ZeRO-Cache update inside the step's program (the ZeRO-Cache issue's item 1):
+can XLA overlap each layer's optimizer update (its fp32 master and AdamW moments fetched from
+pinned host memory, updated, sent back) with the layers' compute, in a scan over layers and
+with the layers unrolled?
 
     python experiments/fused_update_probe.py [--layers 8 --d 4096 --ffn 14336 --tokens 8192] \
-        [--out FILE]
+        [--trace] [--out FILE]
 
-Three programs over the same stacked MLP layers (a stand-in for a decoder's):
+Programs over the same MLP layers (a stand-in for a decoder's), scanned (stacked weights):
   compute  forward/backward with the weights already on the device;
   update   the streamed update alone: each layer's state fetched, updated and sent back;
-  fused    each layer's state fetched and updated, its new bf16 weights used at once, the new
-           state sent back, then the backward pass; and the same with each layer's state
-           fetched one iteration ahead (carried), so its copy waits on nothing the iteration
-           computes.
-If the copies overlap the compute, fused takes about max(compute, update); if not, their sum.
-Measured on an H200 (fused_update_probe.json, 8 layers): fused 493 ms against 80 + 417,
-520 ms with XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true, the prefetched form
-slower still (536 / 563 ms); no copy-start in any compiled program (XLA:GPU runs the in-scan
-host copies synchronously).
-The fused program's grads, new masters and moments are checked against the update followed by
-the forward/backward, and the compiled fused program's asynchronous copies and host-memory
-arrays are counted. A probe for the design, not a trainer feature.
+  fused    each layer's state fetched and updated with the previous step's grads, its new bf16
+           weights used at once, the new state sent back, then the backward pass; and the same
+           with each layer's state fetched one iteration ahead (carried);
+and unrolled (a list of layers): compute and update alike, fused, and the update beside the
+backward pass (the forward/backward, then each layer's update with its grads, one program:
+what config.offload.update_in_step does without clipping).
+If the copies overlap the compute, a program takes about max(compute, update); if not, their
+sum. `--trace` (GPU) profiles one call of each: its copies' time beside compute kernels, and a
+time line beside --out.
+Measured on an H200: scanned (fused_update_probe.json, 8 layers), fused 493 ms against
+80 + 417, 520 ms with XLA_FLAGS=--xla_gpu_enable_pipelined_host_offloading=true, the prefetched
+form slower still (536 / 563 ms), no copy-start in any compiled program (XLA:GPU runs the
+in-scan host copies synchronously); unrolled (fused_update_probe_unrolled.json, 2026-12-04),
+96 copy-start pairs, fused 415 ms and the update beside the backward pass 425 ms against
+66 + 429: the compute ran beside the copies, which ran one at a time at 55 GB/s.
+Each fused program's grads, new masters and moments are checked against its parts run one
+after the other, and its asynchronous copies and host-memory arrays are counted.
 """
 
 import argparse
+import gzip
 import json
 import os
+import pathlib
+import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
+from profile_step import summarize, timeline
 from throughput import ROOT, timed, write_results
 
 Space = jax.memory.Space
@@ -134,6 +144,74 @@ def fused_prefetch(state, grads, count, h):
     return loss, dw, new_state
 
 
+def loss_unrolled(weights, h):
+    """`loss_of` with the layers as straight-line code (a list of (w1, w2)), no scan."""
+    for w1, w2 in weights:
+        h = layer(h, w1, w2)
+    return jnp.sum(h.astype(jnp.float32) ** 2)
+
+
+def compute_unrolled(weights, h):
+    return jax.value_and_grad(loss_unrolled)(weights, h)
+
+
+def update_layer(state, grads, count):
+    """One layer's update: its (w1, w2) state fetched from host memory, updated with `grads`;
+    the new state for host memory and the new compute-dtype weights."""
+    new = [
+        adamw(*(jax.device_put(x, Space.Device) for x in part), g, count)
+        for part, g in zip(state, grads, strict=True)
+    ]
+    back = tuple(tuple(jax.device_put(x, Space.Host) for x in n) for n in new)
+    return back, tuple(n[0].astype(g.dtype) for n, g in zip(new, grads, strict=True))
+
+
+def update_unrolled(state, grads, count):
+    """`update` over per-layer arrays (a list of ((m1, u1, n1), (m2, u2, n2)) in host memory)."""
+    outs = [update_layer(s, g, count) for s, g in zip(state, grads, strict=True)]
+    return [o[0] for o in outs], [o[1] for o in outs]
+
+
+def fused_unrolled(state, grads, count, h):
+    """`fused` with the layers unrolled: XLA's scheduler may start layer i + 1's fetch while
+    layer i computes, which it does not do inside a scan's body."""
+
+    def forward(deltas, h):
+        back = []
+        for s, g, d in zip(state, grads, deltas, strict=True):
+            new_state, weights = update_layer(s, g, count)
+            back.append(new_state)
+            w1, w2 = (jax.lax.stop_gradient(w) + dw for w, dw in zip(weights, d, strict=True))
+            h = layer(h, w1, w2)
+        return jnp.sum(h.astype(jnp.float32) ** 2), back
+
+    deltas = [tuple(jnp.zeros(x.shape, x.dtype) for x in g) for g in grads]
+    (loss, back), dw = jax.value_and_grad(forward, has_aux=True)(deltas, h)
+    return loss, dw, back
+
+
+def backward_update_unrolled(state, weights, count, h):
+    """The issue's item 1 without clipping: the forward/backward, and each layer's update
+    from its grads in the same program, so the update of a layer the backward pass has left
+    can run beside the backward pass of the layers before it."""
+    loss, dw = compute_unrolled(weights, h)
+    new_state, new_weights = update_unrolled(state, dw, count)
+    return loss, dw, new_state, new_weights
+
+
+def unstacked(state, grads):
+    """Per-layer arrays of stacked ones: state in host memory, grads on the device."""
+    on_host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    on_device = SingleDeviceSharding(jax.devices()[0])
+    layer_of = lambda x, i: jax.device_put(jax.device_put(x, on_device)[i], on_host)
+    layers = grads[0].shape[0]
+    per_layer_state = [
+        tuple(tuple(layer_of(state[s][w], i) for s in range(3)) for w in range(2))
+        for i in range(layers)
+    ]
+    return per_layer_state, [tuple(g[i] for g in grads) for i in range(layers)]
+
+
 def inputs(layers: int, a):
     """(state in pinned host memory, bf16 grads, input rows) of `layers` stacked MLP layers."""
     on_host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
@@ -154,6 +232,31 @@ def inputs(layers: int, a):
     return state, grads, jax.random.normal(keys[3], (a.tokens, a.d), jnp.bfloat16)
 
 
+def assert_agree(got, want) -> None:
+    """Same tree of values: the loss (a sum over bf16 products; another fusion order, XLA's
+    pipelined host offloading, moved it by 1.02e-5 on the H200) and the arrays."""
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-4)
+    for g, w in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=1e-6
+        )
+
+
+def traced(program, args, hlo: str, timeline_file: pathlib.Path) -> dict:
+    """One call of `program` under the profiler: its copies' milliseconds and the share of them
+    that ran beside compute kernels (`profile_step.summarize`); the trace's time line is
+    written to `timeline_file`."""
+    trace_dir = tempfile.mkdtemp(prefix="fused_update_probe_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(program(*args))
+    with gzip.open(next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))) as f:
+        trace = json.load(f)
+    timeline_file.write_text("\n".join(timeline(trace)) + "\n")
+    s = summarize(trace, 1, hlo, top=0)
+    keys = ("span_ms_per_step", "busy_ms_per_step", "copy_ms_per_step")
+    return {**{k: s[k] for k in keys}, "copy_overlapped_fraction": s["copy_overlapped_fraction"]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -162,48 +265,90 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "experiments/results/fused_update_probe.json"))
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace one call of each program (GPU): its copies beside compute, and a time line "
+        "beside --out (.<program>.timeline.txt)",
+    )
     a = p.parse_args()
+    compute_jit, update_jit = jax.jit(compute), jax.jit(update)
+    unrolled_compute_jit, unrolled_update_jit = jax.jit(compute_unrolled), jax.jit(update_unrolled)
     fused_jit, prefetch_jit = jax.jit(fused), jax.jit(fused_prefetch)
-    update_jit = jax.jit(update)
-    compute_jit = jax.jit(compute)
+    fused_unrolled_jit = jax.jit(fused_unrolled)
+    backward_update_jit = jax.jit(backward_update_unrolled)
 
     # Equal math, checked on two layers (the full stack's three states and their numpy copies
-    # outgrow the host): the update, then the forward/backward with its weights.
+    # outgrow the host): the update, then the forward/backward with its weights; and the
+    # forward/backward, then the update with its grads.
     state, grads, h = inputs(2, a)
     count = jnp.float32(2.0)
     ref_state, ref_weights = update_jit(state, grads, count)
     ref_loss, ref_dw = compute_jit(ref_weights, h)
     for program in (fused_jit, prefetch_jit):
-        loss, dw, new_state = program(state, grads, count, h)
-        # A sum over bf16 products: another fusion order (XLA's pipelined host offloading)
-        # moved it by 1.02e-5 on the H200.
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-4)
-        for got, want in zip(
-            jax.tree.leaves((dw, new_state)), jax.tree.leaves((ref_dw, ref_state)), strict=True
-        ):
-            np.testing.assert_allclose(
-                np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=1e-6
-            )
-    del state, grads, new_state, ref_state, dw, ref_dw
+        assert_agree(program(state, grads, count, h), (ref_loss, ref_dw, ref_state))
+    layer_state, layer_grads = unstacked(state, grads)
+    # Against programs of the same unrolled layers: the scanned ones sum their bf16 products
+    # in another order (15% of the first layer's grads differed by over 2% on the H200).
+    ref_state, layer_weights = unrolled_update_jit(layer_state, layer_grads, count)
+    assert_agree(
+        fused_unrolled_jit(layer_state, layer_grads, count, h),
+        (*unrolled_compute_jit(layer_weights, h), ref_state),
+    )
+    loss, dw = unrolled_compute_jit(layer_weights, h)
+    assert_agree(
+        backward_update_jit(layer_state, layer_weights, count, h),
+        (loss, dw, *unrolled_update_jit(layer_state, dw, count)),
+    )
+    del state, grads, ref_state, ref_dw, layer_state, layer_grads
 
     state, grads, h = inputs(a.layers, a)
     _, ref_weights = update_jit(state, grads, count)
-    base = dict(
+    layer_state, layer_grads = unstacked(state, grads)
+    layer_weights = [tuple(w[i] for w in ref_weights) for i in range(a.layers)]
+    _, layer_dw = unrolled_compute_jit(layer_weights, h)
+    scanned = dict(
         compute_s=timed(compute_jit, ref_weights, h, reps=a.reps),
         update_s=timed(update_jit, state, grads, count, reps=a.reps),
     )
-    shorter = min(base.values())
+    unrolled = dict(
+        compute_s=timed(unrolled_compute_jit, layer_weights, h, reps=a.reps),
+        update_s=timed(unrolled_update_jit, layer_state, layer_dw, count, reps=a.reps),
+    )
+    runs = (
+        ("fused", scanned, fused_jit, (state, grads, count, h)),
+        ("fused, next layer prefetched", scanned, prefetch_jit, (state, grads, count, h)),
+        (
+            "fused, unrolled layers",
+            unrolled,
+            fused_unrolled_jit,
+            (layer_state, layer_grads, count, h),
+        ),
+        (
+            "update beside the backward pass, unrolled layers",
+            unrolled,
+            backward_update_jit,
+            (layer_state, layer_weights, count, h),
+        ),
+    )
     results = []
-    for name, program in (("fused", fused_jit), ("fused, next layer prefetched", prefetch_jit)):
-        hlo = program.lower(state, grads, count, h).compile().as_text()
-        seconds = timed(program, state, grads, count, h, reps=a.reps)
+    for name, base, program, args in runs:
+        hlo = program.lower(*args).compile().as_text()
+        seconds = timed(program, *args, reps=a.reps)
+        shorter = min(base.values())
+        if a.trace:
+            slug = re.sub(r"\W+", "_", name)
+            profile = traced(
+                program, args, hlo, pathlib.Path(a.out).with_suffix(f".{slug}.timeline.txt")
+            )
         results.append(
             dict(
                 **base,
                 fused_s=seconds,
                 hidden_share_of_the_shorter=(sum(base.values()) - seconds) / shorter,
+                **({"profile": profile} if a.trace else {}),
                 # Asynchronous copies (copy-start) and arrays in host memory (S(5)) compiled.
-                hlo_counts={"copy-start": hlo.count("copy-start"), "S(5)": hlo.count("S(5)")},
+                hlo_counts={"copy-start": hlo.count(" copy-start("), "S(5)": hlo.count("S(5)")},
                 shape=dict(layers=a.layers, d=a.d, ffn=a.ffn, tokens=a.tokens),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 system=name,

@@ -33,6 +33,13 @@ TOKENS_128K = ["--config.zero_stage=1", "--config.train.batch_size=16"]
 # About 1M tokens per step, as in the ZeRO-Cache issue's benchmark: 128 x 8192 tokens.
 BIG = ["--config.zero_stage=1", "--config.train.batch_size=128", *DOTS_NO_BATCH]
 FP8 = ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]
+# The update inside the step's program (config.offload.update_in_step) and its references: the
+# layers unrolled for all, and no clipping (without it a layer's update need not wait for the
+# global grad norm, that is for the whole backward pass: README "Update inside the step").
+UNROLLED = ["--config.model.scan_layers=false"]
+NO_CLIP = [*UNROLLED, "--config.train.grad_clip=0"]
+IN_STEP = ["--config.offload.update_in_step=true"]
+BATCH_32 = ["--config.train.batch_size=32"]  # One microbatch: a longer backward to hide in.
 # (name, config, overrides, steps timed or None for the default); steps=0 times the one
 # broken-down step instead. "hybrid": the host's cores update a share of the chunks
 # (config.offload.cpu_update; -1: the planner's share from measured rates).
@@ -117,6 +124,38 @@ VARIANTS = [
         "llama_1b/32x2048 optimizer, device update, all in flight",
         "llama_1b",
         [*MICRO_4, *DEVICE_UPDATE, *ALL_IN_FLIGHT],
+        None,
+    ),
+    ("llama_1b/32x2048/unrolled/noclip none", "llama_1b", [*NO_CLIP, *BATCH_32], None),
+    (
+        "llama_1b/32x2048/unrolled/noclip optimizer, streamed, 8 in flight",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *NO_CLIP, *BATCH_32],
+        None,
+    ),
+    (
+        "llama_1b/32x2048/unrolled/noclip optimizer, in step, 8 in flight",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *IN_STEP, *NO_CLIP, *BATCH_32],
+        None,
+    ),
+    (
+        "llama_1b/32x2048/unrolled optimizer, in step, 8 in flight, clipped",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *IN_STEP, *UNROLLED, *BATCH_32],
+        None,
+    ),
+    ("llama_1b/unrolled/noclip none", "llama_1b", NO_CLIP, None),
+    (
+        "llama_1b/unrolled/noclip optimizer, streamed, 8 in flight",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *NO_CLIP],
+        None,
+    ),
+    (
+        "llama_1b/unrolled/noclip optimizer, in step, 8 in flight",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *IN_STEP, *NO_CLIP],
         None,
     ),
     ("llama_1b params", "llama_1b", ["--config.offload.policy=params"], None),

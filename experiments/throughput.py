@@ -188,6 +188,8 @@ def program_report(program, overrides: list[str]) -> dict:
         path.write_bytes(gzip.compress(text.encode()))
     return dict(
         kernels=custom_calls(text),
+        # Host<->device copies inside the program: asynchronous (copy-start) or not.
+        host_copies={op: text.count(f" {op}(") for op in ("copy-start", "copy-done")},
         collectives=collective_bytes(text),
         collective_schedule=collective_schedule(text),
     )
@@ -351,8 +353,8 @@ def offload_breakdown(exp, state, batch) -> dict:
     from angel_jax import sharding
     from angel_jax.offload.planner import HOST
 
-    if not exp.plan.offloads_optimizer:
-        return {}
+    if not exp.plan.offloads_optimizer or exp.config.offload.update_in_step:
+        return {}  # On the device, or one program with the update inside.
     jax.block_until_ready(state)
     cpu = exp.offloaded.cpu
     if cpu:

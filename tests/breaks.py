@@ -22,6 +22,41 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "the update in the step takes the params' order",
+        "angel_jax/steps.py",
+        "    return sorted(range(len(exp.streamed_update.chunks)), key=key)",
+        "    return list(range(len(exp.streamed_update.chunks)))",
+        [
+            "tests/test_offload.py::test_update_in_step_takes_the_chunks_in_the_backward_passes_order"
+        ],
+    ),
+    (
+        "the update in the step ignores the clipping scale",
+        "angel_jax/offload/stream.py",
+        "        new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], old[0])",
+        "        new = optimizer.update_leaf(c.path, fetch_f32(grad), old[1], old[0])",
+        ["tests/test_offload.py::test_update_in_step_equals_the_streamed_update"],
+    ),
+    (
+        "the update in the step keeps an anomalous step's update",
+        "angel_jax/offload/stream.py",
+        "        if ok is not None:\n            new = jax.tree.map",
+        "        if False:\n            new = jax.tree.map",
+        ["tests/test_offload.py::test_update_in_step_leaves_out_an_anomalous_steps_update"],
+    ),
+    (
+        "the update in the step is the streamed one",
+        "angel_jax/train.py",
+        "        return (InStepUpdate if self.config.offload.update_in_step else "
+        "OffloadedStep)(self)",
+        "        return OffloadedStep(self)",
+        [
+            # The GPU test (its copy-start pairs) is skipped off a GPU.
+            "tests/test_offload.py::test_update_in_step_copies_are_asynchronous_on_gpu",
+            "tests/test_offload.py::test_update_in_step_equals_the_streamed_update",
+        ],
+    ),
+    (
         "collectives in a loop's body not marked in_loop",
         "experiments/throughput.py",
         "                visit(callee, times * trips, in_loop or body)",

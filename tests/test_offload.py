@@ -16,7 +16,7 @@ from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner
+from angel_jax.offload import planner, stream
 from angel_jax.offload.planner import DEVICE, HOST, CompiledTooLarge, check_compiled
 from angel_jax.train import build
 from tests.test_train_parity import small_config
@@ -780,9 +780,129 @@ def test_delayed_update_needs_an_offloaded_update():
         build(small_config(offload__delayed_update=True), make_mesh(small_config().mesh))
 
 
-@pytest.mark.parametrize("policy", ["optimizer", "params"])
-def test_offloaded_state_checkpoints_and_resumes(tmp_path, policy):
-    config = small_config(offload__policy=policy, zero_stage=3, mesh__data=8, model__remat="full")
+# The streamed update's reference for config.offload.update_in_step (unrolled layers).
+IN_STEP = dict(model__scan_layers=False, offload__policy="optimizer")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(zero_stage=1, mesh__data=8, offload__chunks_in_flight=3),
+        dict(
+            zero_stage=3,
+            mesh__data=4,
+            mesh__tensor=2,
+            train__optimizer="adafactor",
+            train__grad_clip=0.0,
+        ),
+    ],
+)
+def test_update_in_step_equals_the_streamed_update(kw, monkeypatch):
+    """config.offload.update_in_step: the update inside the forward/backward's program gives
+    the streamed update's losses and params (this step's grads, clipped alike), and the
+    streamed update never runs."""
+    _, ref_state, ref_losses = train(small_config(**IN_STEP, **kw))
+
+    def streamed(*args, **kwargs):
+        raise AssertionError("the streamed update ran")
+
+    monkeypatch.setattr(stream.StreamedUpdate, "__call__", streamed)
+    exp, state, losses = train(small_config(**IN_STEP, offload__update_in_step=True, **kw))
+    assert isinstance(exp.steps, steps.InStepUpdate)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {HOST}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert losses[-1] < losses[0]
+    for tree in ("params", "opt_state", "compute_params"):
+        jax.tree.map(
+            # As the on-device update's test: Adafactor's factored moments sum in another
+            # order inside the larger program (2e-8 apart after three steps).
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            jax.device_get(getattr(state, tree)),
+            jax.device_get(getattr(ref_state, tree)),
+        )
+
+
+def test_update_in_step_leaves_out_an_anomalous_steps_update():
+    """The guarded step (the loop's default) keeps the state of a skipped step bitwise, and
+    runs the streamed update's guarded steps otherwise."""
+    ceilings = (0.0, np.inf, np.inf)  # Every loss is above 0: the first step is skipped.
+    runs = []
+    for in_step in (True, False):
+        config = small_config(**IN_STEP, offload__update_in_step=in_step)
+        exp = build(config, make_mesh(config.mesh))
+        state = exp.init_state()
+        before = jax.device_get(state)
+        batch = exp.global_batch(make_batches(config)[0])
+        skipped = []
+        for ceiling in ceilings:
+            state, metrics = exp.guarded_train_step(state, batch, ceiling)
+            skipped.append(int(metrics["skipped"]))
+            if len(skipped) == 1 and in_step:
+                for tree in ("params", "opt_state", "compute_params"):
+                    jax.tree.map(
+                        np.testing.assert_array_equal,
+                        jax.device_get(getattr(state, tree)),
+                        getattr(before, tree),
+                    )
+        runs.append((skipped, exp.params_numpy(state)))
+    assert runs[0][0] == runs[1][0] == [1, 0, 0]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8), *(p for _, p in runs)
+    )
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), runs[0][1], before.params)
+    assert all(jax.tree.leaves(moved))
+
+
+def test_update_in_step_takes_the_chunks_in_the_backward_passes_order():
+    """A layer's grads are done when the backward pass leaves it: last layer first, after
+    the head's weights; the embedding's (the tied LM head's too) are done last."""
+    for tie in (False, True):
+        config = small_config(**IN_STEP, offload__update_in_step=True, model__tie_embeddings=tie)
+        exp = build(config, make_mesh(config.mesh))
+        names = [exp.streamed_update.chunks[k].key.split("]")[0] for k in exp.steps.order]
+        groups = list(dict.fromkeys(names))
+        head = ["['final_norm'"] + ([] if tie else ["['lm_head'"])
+        assert groups == [*head, "['layer_1'", "['layer_0'", "['embed'"], tie
+
+
+@pytest.mark.parametrize(
+    "kw, needs",
+    [
+        (dict(offload__policy="optimizer"), "scan_layers=false"),
+        (dict(IN_STEP, offload__policy="none"), "config.offload.policy=optimizer"),
+        (dict(IN_STEP, offload__delayed_update=True), "delayed_update=false"),
+        (dict(IN_STEP, offload__cpu_update=0.5), "cpu_update=0"),
+    ],
+)
+def test_update_in_step_names_what_it_needs(kw, needs):
+    config = small_config(offload__update_in_step=True, **kw)
+    with pytest.raises(ConfigError, match=re.escape(needs)):
+        build(config, make_mesh(config.mesh))
+
+
+@gpu
+def test_update_in_step_copies_are_asynchronous_on_gpu():
+    """On a GPU the step's host copies compile to copy-start/copy-done pairs that XLA's
+    scheduler can run beside the compute (a scanned layer's would be synchronous)."""
+    config = small_config(**IN_STEP, offload__update_in_step=True, mesh__data=1)
+    exp = build(config, make_mesh(config.mesh))
+    text = exp.steps.grad_step.as_text()
+    # Each moved leaf down and home: master and both AdamW moments of every chunk.
+    moved = 3 * len(exp.streamed_update.chunks)
+    assert text.count(" copy-start(") == text.count(" copy-done(") >= 2 * moved
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(offload__policy="optimizer"),
+        dict(offload__policy="params"),
+        dict(IN_STEP, offload__update_in_step=True),
+    ],
+    ids=["optimizer", "params", "optimizer in step"],
+)
+def test_offloaded_state_checkpoints_and_resumes(tmp_path, kw):
+    config = small_config(zero_stage=3, mesh__data=8, model__remat="full", **kw)
     exp, state, _ = train(config, steps=2)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
     ckpt.save(2, exp.checkpointed(state), 2)

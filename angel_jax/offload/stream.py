@@ -106,6 +106,43 @@ def global_norm(grads, stacked, in_flight: int):
     return jnp.sqrt(sum(s for (s,) in squares))
 
 
+def update_in_step(optimizer, chunks, order, grads, scale, masters, states, compute, in_flight, ok):
+    """The streamed update traced into the forward/backward's program
+    (config.offload.update_in_step): each chunk's master and state fetched to the device,
+    updated with its grad times `scale` and sent home, and its new compute copy made, in
+    `order` (indices into `chunks`: the backward pass's, so that a chunk's copies can run
+    beside the backward pass of the layers before it) with at most `in_flight` chunks on
+    the device at once (`pipelined`). With `ok` false (an anomalous step, or None for
+    never) every chunk keeps its old values. Chunks are unstacked weights on the device or in
+    host memory; arguments and results are flat lists over the params' leaves, as
+    `StreamedUpdate`'s."""
+    masters, states, compute = list(masters), list(states), list(compute)
+    to_device = lambda x: jax.device_put(x, Space.Device)
+
+    def one(i, master, state, grad):
+        c = chunks[order[i]]
+        home = jax.tree.map(lambda x: jax.typeof(x).memory_space, (master, state))
+        old = jax.tree.map(to_device, (master, state))
+        new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], old[0])
+        new_compute = new[0].astype(compute[c.weight].dtype)
+        if ok is not None:
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            new_compute = jnp.where(ok, new_compute, compute[c.weight])
+        new = jax.tree.map(lambda x, kind: jax.device_put(x, kind), new, home)
+        return (*new, new_compute)
+
+    inputs = [
+        (masters[chunks[k].weight], states[chunks[k].weight], grads[chunks[k].weight])
+        for k in order
+    ]
+    for k, (master, state, new_compute) in zip(
+        order, pipelined(one, inputs, in_flight), strict=True
+    ):
+        w = chunks[k].weight
+        masters[w], states[w], compute[w] = master, state, new_compute
+    return masters, states, compute
+
+
 class Chunk(NamedTuple):
     """One update chunk: an unstacked weight, or one layer's slice of a stacked weight, with its
     master and optimizer state."""
