@@ -865,6 +865,16 @@ def test_update_in_step_takes_the_chunks_in_the_backward_passes_order():
         assert groups == [*head, "['layer_1'", "['layer_0'", "['embed'"], tie
 
 
+def test_update_in_step_plans_its_chunks_in_flight_beside_the_step():
+    """The update inside the step holds at most chunks_in_flight moved chunks beside the
+    step's activations, and has no update after the step."""
+    config = small_config(**IN_STEP, offload__update_in_step=True, offload__chunks_in_flight=3)
+    exp = build(config, make_mesh(config.mesh))
+    sizes = sorted(stream.chunk_bytes(c) for c in exp.streamed_update.chunks)
+    assert exp.plan.state_bytes["chunks beside the step"] == sum(sizes[-3:])
+    assert "update chunks" not in exp.plan.state_bytes
+
+
 @pytest.mark.parametrize(
     "kw, needs",
     [

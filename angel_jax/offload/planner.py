@@ -461,24 +461,31 @@ def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     )
 
 
-def _with_step_chunks(plan: Plan, chunks, in_flight: int) -> Plan:
+def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool) -> Plan:
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
-    with `copies_beside_step` off."""
+    with `copies_beside_step` off. With the update inside the step (`in_step`,
+    config.offload.update_in_step) its chunks in flight are beside the step's activations
+    instead: at most `in_flight` of the moved ones, counted as the largest."""
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
     tiers = [plan.chunk_tier(*key) for key, _ in updated]
     sizes = [size for _, size in updated]
-    groups = group_chunks(sizes, tiers, in_flight)
-    fetched, leaving = beside_step_groups(tiers, groups, in_flight)
-    beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
+    if in_step:
+        moved = sorted((n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE), reverse=True)
+        beside = sum(moved[:in_flight])
+    else:
+        groups = group_chunks(sizes, tiers, in_flight)
+        fetched, leaving = beside_step_groups(tiers, groups, in_flight)
+        beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
     state_bytes = {**plan.state_bytes, "chunks beside the step": beside}
     placement = {**plan.placement, "chunks beside the step": DEVICE}
     with_them = dataclasses.replace(
         plan, state_bytes=state_bytes, placement=placement, copies_beside_step=True
     )
-    if with_them.tier_bytes(DEVICE) <= USABLE * plan.budget[DEVICE] or not beside:
+    fits = with_them.tier_bytes(DEVICE) <= USABLE * plan.budget[DEVICE]
+    if fits or not beside or in_step:  # The update in the step cannot do without them.
         return with_them
     state_bytes["chunks beside the step"] = 0
     return dataclasses.replace(with_them, state_bytes=state_bytes, copies_beside_step=False)
@@ -530,6 +537,7 @@ def make_plan(
     layers = config.model.num_layers
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
     in_flight = config.offload.chunks_in_flight
+    in_step = config.offload.update_in_step
 
     def sizes(name: str, remat: str) -> dict[str, int]:
         saved = dict(activations[remat])
@@ -553,9 +561,10 @@ def make_plan(
             "grads": layer_grads + other_grads,
             "master params": local_bytes(offloaded_masters),
             "optimizer state": local_bytes(opt),
-            "update chunks": _in_flight_bytes(chunks, in_flight),
             **saved,
         }
+        if not in_step:  # Else the update runs inside the step: chunks beside the step.
+            out["update chunks"] = _in_flight_bytes(chunks, in_flight)
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
@@ -601,7 +610,7 @@ def make_plan(
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(name, remat, placement, state_bytes, budget, num_params, mesh.size)
         # With every chunk in host memory: the room the groups beside the step may take.
-        plan = _with_step_chunks(plan, chunks, in_flight)
+        plan = _with_step_chunks(plan, chunks, in_flight, in_step)
         if policy != "auto" or name == "none":
             return plan
         # Fill the device's spare room with update chunks, in the update's order; once more
@@ -613,7 +622,9 @@ def make_plan(
                 if key not in resident and master + state <= spare:
                     spare -= master + state
                     resident.add(key)
-            filled = _with_step_chunks(_with_resident(plan, resident, chunks), chunks, in_flight)
+            filled = _with_step_chunks(
+                _with_resident(plan, resident, chunks), chunks, in_flight, in_step
+            )
             if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
                 break  # The second fill would push the groups beside the step out.
             plan = filled
@@ -636,7 +647,7 @@ def make_plan(
         placement["SSD chunks"] = SSD
         # SSD groups go alone: the groups beside the step as they will be.
         return _with_step_chunks(
-            dataclasses.replace(plan, on_ssd=frozenset(on_ssd)), chunks, in_flight
+            dataclasses.replace(plan, on_ssd=frozenset(on_ssd)), chunks, in_flight, in_step
         )
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
@@ -673,7 +684,9 @@ def make_plan(
                 share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
             elif share < 0:
                 share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
-            plan = _with_step_chunks(_with_cpu_update(plan, share, host), chunks, in_flight)
+            plan = _with_step_chunks(
+                _with_cpu_update(plan, share, host), chunks, in_flight, in_step
+            )
             if note:
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
