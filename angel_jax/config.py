@@ -209,9 +209,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.delayed_update = False
     # The offloaded update inside the forward/backward's program (exact math, one program a
     # step), for unrolled layers (config.model.scan_layers=false), whose host copies XLA
-    # runs beside the compute. Each chunk waits for its grad, and for the global grad norm
-    # when it clips (train.grad_clip) or skips anomalies (monitor.on_anomaly=skip): only
-    # without both can a layer's update run beside the backward pass of the layers before it.
+    # compiles as asynchronous copies it may run beside the compute. Each chunk waits for its
+    # grad, and for the global grad norm when the step clips (train.grad_clip) or skips
+    # anomalies (monitor.on_anomaly=skip). No gain over the streamed update measured yet.
     c.offload.update_in_step = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).

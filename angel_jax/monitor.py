@@ -99,6 +99,12 @@ class Rollback:
     data_index: int  # Where the data resumes: past the anomalous batch (and any skipped).
 
 
+def is_anomalous(loss, grad_norm, ceiling):
+    """Whether a step's update is to be left out: its loss or grad norm is not finite, or its
+    loss is above `ceiling` (traced)."""
+    return ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (loss <= ceiling))
+
+
 def skip_if_anomalous(step_fn):
     """`step_fn(state, batch) -> (state, metrics)` as `(state, batch, ceiling) -> (state,
     metrics)` that keeps the old params and optimizer state when the loss or the grad norm is
@@ -111,8 +117,7 @@ def skip_if_anomalous(step_fn):
 
     def step(state, batch, ceiling):
         new, metrics = step_fn(state, batch)
-        loss = metrics["loss"]
-        ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & (loss <= ceiling)
+        ok = jnp.logical_not(is_anomalous(metrics["loss"], metrics["grad_norm"], ceiling))
         keep = lambda n, o: jnp.where(ok, n, o)
         new = new.replace(
             params=jax.tree.map(keep, new.params, state.params),

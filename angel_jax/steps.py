@@ -1,16 +1,18 @@
-"""The train step, in one of two forms behind one signature, chosen by the ZeRO-Cache plan:
-`DeviceStep` (masters and optimizer state on the device: one compiled program) and
+"""The train step, in one of three forms behind one signature, chosen by the ZeRO-Cache plan:
+`DeviceStep` (masters and optimizer state on the device: one compiled program),
 `OffloadedStep` (the optimizer state in host memory or on SSD: a compiled forward/backward,
-then the streamed update of every chunk). Each gives `train_step(state, batch) -> (state,
-metrics)` and `guarded_train_step(state, batch, loss ceiling)`, which drops an anomalous
-step's update (`monitor.skip_if_anomalous`). The grads come from `exp.grads`
-(angel_jax/grads.py) either way.
+then the streamed update of every chunk) and `InStepUpdate` (config.offload.update_in_step:
+the offloaded update inside the forward/backward's program). Each gives `train_step(state,
+batch) -> (state, metrics)` and `guarded_train_step(state, batch, loss ceiling)`, which drops
+an anomalous step's update (`monitor.is_anomalous`). The grads come from `exp.grads`
+(angel_jax/grads.py) each way.
 """
 
 import functools
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.config import ConfigError
 from angel_jax.data.objectives import row_width
-from angel_jax.monitor import skip_if_anomalous
+from angel_jax.monitor import is_anomalous, skip_if_anomalous
 from angel_jax.offload.planner import check_compiled
 from angel_jax.offload.stream import global_norm, update_in_step
 from angel_jax.optim import learning_rate_schedule
@@ -133,7 +135,42 @@ class DeviceStep(_Step):
         return lambda state, batch, ceiling: compiled(state, batch, self.ceiling_array(ceiling))
 
 
-class OffloadedStep(_Step):
+class _Offloaded(_Step):
+    """What both offloaded forms share: the program `build` compiles and checks against the
+    plan before anything is allocated (`program`), and the params-shaped trees as the
+    streamed update's flat lists."""
+
+    @functools.cached_property
+    def program_lowered(self) -> jax.stages.Lowered:
+        """`program`, lowered from shapes: its text says whether two plans' steps are one
+        program."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def program_compiled(self) -> jax.stages.Compiled:
+        """`program` before its memory is checked against the plan."""
+        return self.program_lowered.compile()
+
+    @functools.cached_property
+    def program(self) -> jax.stages.Compiled:
+        """The compiled program whose memory holds the step's activations, checked."""
+        return self.checked(self.program_compiled)
+
+    def reuse_program(self, other: "_Offloaded") -> bool:
+        """Takes `other`'s compiled program when both lower to the same one (a plan made
+        again for the compiled step's temporaries, whose choices leave the program as it
+        was): XLA need not compile it twice."""
+        if self.program_lowered.as_text() != other.program_lowered.as_text():
+            return False
+        self.program_compiled = other.program_compiled
+        return True
+
+    def _flat(self, tree) -> list:
+        """`tree` as the streamed update's flat list over the params' leaves."""
+        return jax.tree.structure(self.exp.stacked).flatten_up_to(tree)
+
+
+class OffloadedStep(_Offloaded):
     """A compiled forward/backward (`grad_step`), then the streamed update of the offloaded
     state (`apply`). The guarded step reads the loss and grad norm on the host (one sync a
     step) before the update, which it leaves out when they are anomalous.
@@ -174,10 +211,6 @@ class OffloadedStep(_Step):
         self.pending = None
         self.exp.streamed_update.drain()  # The old state's copies home, before it goes.
 
-    def _flat(self, tree) -> list:
-        """`tree` as the streamed update's flat list over the params' leaves."""
-        return jax.tree.structure(self.exp.stacked).flatten_up_to(tree)
-
     def _update(self, state: TrainState, step, grads, scale, fetched) -> TrainState:
         """`apply` now, or (delayed) the update made the pending one, its host share started."""
         if not self.delayed:
@@ -198,9 +231,7 @@ class OffloadedStep(_Step):
         return step + 1, grads, exp.optimizer.clip_scale(norm), metrics
 
     @functools.cached_property
-    def grad_step_lowered(self) -> jax.stages.Lowered:
-        """`grad_step`, lowered from shapes: its text says whether two plans' steps are one
-        program."""
+    def program_lowered(self) -> jax.stages.Lowered:
         exp, replicated = self.exp, self.replicated
         step = jax.jit(
             self._grad_step,
@@ -213,24 +244,10 @@ class OffloadedStep(_Step):
             return step.lower(state.step, state.compute_params, self.abstract_batch())
 
     @functools.cached_property
-    def grad_step_compiled(self) -> jax.stages.Compiled:
-        """`grad_step` before its memory is checked against the plan."""
-        return self.grad_step_lowered.compile()
-
-    @functools.cached_property
     def grad_step(self):
         """Compiled: (step, compute params, batch) -> (step + 1, grads, clipping scale,
-        metrics)."""
-        return self.checked(self.grad_step_compiled)
-
-    def reuse_grad_step(self, other: "OffloadedStep") -> bool:
-        """Takes `other`'s compiled forward/backward when both lower to the same program (a
-        plan made again for the compiled step's temporaries, whose choices leave the program
-        as it was): XLA need not compile it twice."""
-        if self.grad_step_lowered.as_text() != other.grad_step_lowered.as_text():
-            return False
-        self.grad_step_compiled = other.grad_step_compiled
-        return True
+        metrics): the offloaded step's `program`."""
+        return self.program
 
     def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
         """The offloaded state after its streamed update with `grads` (`state` is donated;
@@ -279,33 +296,31 @@ class OffloadedStep(_Step):
         return run
 
 
-class InStepUpdate(OffloadedStep):
+class InStepUpdate(_Offloaded):
     """config.offload.update_in_step: the offloaded update traced into the forward/backward's
-    program (`stream.update_in_step`), one program a step. Its layers unrolled, XLA compiles
-    each chunk's host copies as asynchronous copies (copy-start/copy-done) that its scheduler
-    runs beside the compute, where a scanned layer's copies are synchronous
-    (`fused_update_probe.json`, README "Update inside the step"). A chunk's update waits for its
-    grad, and for the global grad norm when it clips (config.train.grad_clip) or skips
-    anomalous steps (config.monitor.on_anomaly=skip): only without both can the update of a
-    layer the backward pass has left run beside the backward pass of the layers before it.
-    The math is the streamed update's."""
+    program (`stream.update_in_step`), one program a step. With the layers unrolled, XLA
+    compiles each chunk's host copies as asynchronous copies (copy-start/copy-done) that its
+    scheduler may run beside the compute, where a scanned layer's copies are synchronous
+    (`fused_update_probe_unrolled.json`, README "Update inside the step"). A chunk's update
+    waits for its grad, and for the global grad norm when it clips (config.train.grad_clip) or
+    skips anomalous steps (config.monitor.on_anomaly=skip). The math is the streamed
+    update's."""
 
     def __init__(self, exp):
         super().__init__(exp)
         self.order = backward_order(exp)
         self.guarded = exp.config.monitor.on_anomaly == "skip"
 
-    def update(self, state: TrainState, batch_BT1: jax.Array, ceiling=None):
+    def update(self, state: TrainState, batch_BT1: jax.Array, ceiling: jax.Array | None = None):
         """(state, batch[, loss ceiling]) -> (next state, metrics), traced; with a ceiling the
-        update of an anomalous step is left out (`monitor.skip_if_anomalous`'s test)."""
+        update of an anomalous step is left out."""
         exp = self.exp
         metrics, grads = exp.grads.loss_and_grads(state.compute_params, batch_BT1)
         in_flight = exp.config.offload.chunks_in_flight
         norm = global_norm(grads, exp.stacked, in_flight)
         ok = None
         if ceiling is not None:
-            loss = metrics["loss"]
-            ok = jnp.isfinite(loss) & jnp.isfinite(norm) & (loss <= ceiling)
+            ok = jnp.logical_not(is_anomalous(metrics["loss"], norm, ceiling))
             metrics["skipped"] = jnp.logical_not(ok).astype(jnp.int32)
         flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
         chunks, scale = exp.streamed_update.chunks, exp.optimizer.clip_scale(norm)
@@ -318,10 +333,8 @@ class InStepUpdate(OffloadedStep):
 
     def _lowered(self, guarded: bool) -> jax.stages.Lowered:
         exp, replicated = self.exp, self.replicated
-        args, shardings = (
-            [exp.abstract_state, self.abstract_batch()],
-            [exp.state_sharding, exp.batch_sharding],
-        )
+        args = [exp.abstract_state, self.abstract_batch()]
+        shardings = [exp.state_sharding, exp.batch_sharding]
         if guarded:
             args.append(jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated))
             shardings.append(replicated)
@@ -335,17 +348,17 @@ class InStepUpdate(OffloadedStep):
             return jitted.lower(*args)
 
     @functools.cached_property
-    def grad_step_lowered(self) -> jax.stages.Lowered:
-        """The whole step in the form the loop runs (guarded when it skips anomalies): what
-        `build` compiles and checks against the plan (`grad_step`)."""
+    def program_lowered(self) -> jax.stages.Lowered:
+        """The whole step in the form the loop runs (guarded when it skips anomalies)."""
         return self._lowered(self.guarded)
 
+    def lowered(self) -> jax.stages.Lowered:
+        return self._lowered(False)
+
     def _compiled(self, guarded: bool):
-        return (
-            self.grad_step
-            if guarded == self.guarded
-            else self.checked(self._lowered(guarded).compile())
-        )
+        if guarded == self.guarded:
+            return self.program
+        return self.checked(self._lowered(guarded).compile())
 
     @functools.cached_property
     def train_step(self):
@@ -359,8 +372,9 @@ class InStepUpdate(OffloadedStep):
 
 def backward_order(exp) -> list[int]:
     """The streamed update's chunks (unstacked weights) in the order the backward pass
-    finishes their grads: the weights after the layers (final norm, LM head), the layers
-    last to first, then the weights the embedding reads (tied ones included)."""
+    finishes their grads: the weights outside the layers that the embedding does not read
+    (final norm, LM head), the layers last to first, then the weights the embedding reads
+    (a tied LM head's included)."""
     from angel_jax.models import family_of  # The models import the trainer's planner.
 
     pieces, cfg = family_of(exp.config.model).pieces, exp.model_config
@@ -368,8 +382,9 @@ def backward_order(exp) -> list[int]:
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     with sharding.use_rules(exp.mesh, exp.rules):
         jaxpr = jax.make_jaxpr(lambda p, t: pieces.embed(cfg, p, t, 0))(params, tokens).jaxpr
-    read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-    embedding = {w for w, v in enumerate(jaxpr.invars[:-1]) if id(v) in read}
+    read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jax.extend.core.Var)}
+    read |= {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    embedding = {w for w, v in enumerate(jaxpr.invars[:-1]) if v in read}
     layer = re.compile(re.escape(pieces.unrolled_name).replace(re.escape("{}"), r"(\d+)"))
 
     def key(k):

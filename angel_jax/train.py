@@ -234,7 +234,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
     for attempt in range(_MOST_PLANS):
         try:
             # The program the loop runs: compiled and checked against the plan.
-            _ = exp.steps.grad_step if exp.plan.offloads_optimizer else exp.loop_step
+            _ = exp.steps.program if exp.plan.offloads_optimizer else exp.loop_step
             break
         except CompiledTooLarge as e:
             if attempt == _MOST_PLANS - 1:
@@ -244,7 +244,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = Tr
             exp = _build(config, mesh, extra)
             now = f"policy {exp.plan.policy}, remat {exp.plan.remat}"
             if before.plan.offloads_optimizer and exp.plan.offloads_optimizer:
-                exp.steps.reuse_grad_step(before.steps)  # The same program: not compiled again.
+                exp.steps.reuse_program(before.steps)  # The same program: not compiled again.
                 now += f", {len(exp.plan.resident)} chunks resident on the device, not "
                 now += str(len(before.plan.resident))
             print(
@@ -312,9 +312,9 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
         again.plan.copies_beside_step and not plan.copies_beside_step
     )
     # Only for the same program: another's temporaries are not the ones measured.
-    if not (more and again.plan.offloads_optimizer and again.steps.reuse_grad_step(exp.steps)):
+    if not (more and again.plan.offloads_optimizer and again.steps.reuse_program(exp.steps)):
         return exp
-    _ = again.steps.grad_step  # Checked against the plan made again.
+    _ = again.steps.program  # Checked against the plan made again.
     print(
         f"the compiled step's temporaries took {-excess / 2**30:.1f} GiB less than the plan's "
         f"estimate: planned again with them ({len(again.plan.resident)} chunks resident on the "

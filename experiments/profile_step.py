@@ -306,8 +306,9 @@ def main() -> int:
     config = load_config(a.config, [*base, *a.overrides])
     exp = build(config, make_mesh(config.mesh))
     train_step = exp.train_step
-    # An offloaded step is a forward/backward program, then the streamed update's programs.
-    hlo_text = (exp.steps.grad_step if exp.plan.offloads_optimizer else train_step).as_text()
+    # An offloaded step is a forward/backward program, then the streamed update's programs
+    # (or one program, config.offload.update_in_step).
+    hlo_text = (exp.steps.program if exp.plan.offloads_optimizer else train_step).as_text()
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     for _ in range(a.warmup):

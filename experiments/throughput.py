@@ -113,9 +113,10 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
-    # The compiled step; with the optimizer offloaded, its compiled forward/backward part (the
-    # streamed update runs beside it).
-    program = exp.steps.grad_step if exp.plan.offloads_optimizer else train_step
+    # The compiled step; with the optimizer offloaded, the program `build` checks: the
+    # forward/backward (the streamed update runs after it), or the whole step with the update
+    # inside it (config.offload.update_in_step).
+    program = exp.steps.program if exp.plan.offloads_optimizer else train_step
     plan = dict(
         plan=exp.plan.policy,
         remat=exp.model_config.remat,  # config.model.remat, or what auto picked.

@@ -47,9 +47,39 @@ BREAKS = [
     (
         "the update in the step is planned as the streamed one",
         "angel_jax/offload/planner.py",
-        "    if in_step:\n        moved = sorted(",
-        "    if False:\n        moved = sorted(",
+        "    if in_step:  # Held in the step's temporaries",
+        "    if False:  # Held in the step's temporaries",
         ["tests/test_offload.py::test_update_in_step_plans_its_chunks_in_flight_beside_the_step"],
+    ),
+    (
+        "the update in the step holds every chunk at once",
+        "angel_jax/offload/stream.py",
+        "pipelined(one, inputs, in_flight)",
+        "pipelined(one, inputs, len(inputs))",
+        [
+            "tests/test_offload.py::"
+            "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
+        ],
+    ),
+    (
+        "the update in the step takes its chunks in the params' order",
+        "angel_jax/offload/stream.py",
+        '    assert all(c.layer is None for c in chunks), "the update',
+        '    order = sorted(order)\n    assert all(c.layer is None for c in chunks), "the update',
+        [
+            "tests/test_offload.py::"
+            "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
+        ],
+    ),
+    (
+        "the update in the step sends nothing home itself",
+        "angel_jax/offload/stream.py",
+        "        return new_compute, jax.tree.map(jax.device_put, new, home)",
+        "        return new_compute, new",
+        [
+            "tests/test_offload.py::"
+            "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
+        ],
     ),
     (
         "the update in the step is the streamed one",

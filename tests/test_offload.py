@@ -18,6 +18,7 @@ from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload import planner, stream
 from angel_jax.offload.planner import DEVICE, HOST, CompiledTooLarge, check_compiled
+from angel_jax.optim import Optimizer
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -809,7 +810,6 @@ def test_update_in_step_equals_the_streamed_update(kw, monkeypatch):
     monkeypatch.setattr(stream.StreamedUpdate, "__call__", streamed)
     exp, state, losses = train(small_config(**IN_STEP, offload__update_in_step=True, **kw))
     assert isinstance(exp.steps, steps.InStepUpdate)
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {HOST}
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert losses[-1] < losses[0]
     for tree in ("params", "opt_state", "compute_params"):
@@ -826,12 +826,13 @@ def test_update_in_step_leaves_out_an_anomalous_steps_update():
     """The guarded step (the loop's default) keeps the state of a skipped step bitwise, and
     runs the streamed update's guarded steps otherwise."""
     ceilings = (0.0, np.inf, np.inf)  # Every loss is above 0: the first step is skipped.
-    runs = []
+    runs, initial = [], None
     for in_step in (True, False):
         config = small_config(**IN_STEP, offload__update_in_step=in_step)
         exp = build(config, make_mesh(config.mesh))
         state = exp.init_state()
         before = jax.device_get(state)
+        initial = before.params if initial is None else initial
         batch = exp.global_batch(make_batches(config)[0])
         skipped = []
         for ceiling in ceilings:
@@ -849,7 +850,7 @@ def test_update_in_step_leaves_out_an_anomalous_steps_update():
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8), *(p for _, p in runs)
     )
-    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), runs[0][1], before.params)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), runs[0][1], initial)
     assert all(jax.tree.leaves(moved))
 
 
@@ -865,14 +866,43 @@ def test_update_in_step_takes_the_chunks_in_the_backward_passes_order():
         assert groups == [*head, "['layer_1'", "['layer_0'", "['embed'"], tie
 
 
+def test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device(monkeypatch):
+    """The step updates the chunks in `backward_order`'s order, and fetches a chunk only once
+    the chunk chunks_in_flight before it is home: the barrier waits for its copies to host
+    memory, not for its update on the device."""
+    config = small_config(**IN_STEP, offload__update_in_step=True, offload__chunks_in_flight=3)
+    exp = build(config, make_mesh(config.mesh))
+    paths, bounds = [], []
+    update_leaf, real_pipelined = Optimizer.update_leaf, stream.pipelined
+
+    def recorded_update_leaf(self, path, *args):
+        paths.append(path)
+        return update_leaf(self, path, *args)
+
+    def recorded_pipelined(fn, chunks, in_flight):
+        done = real_pipelined(fn, chunks, in_flight)
+        if len(chunks[0]) == 3:  # The update's (master, state, grad), not the grad norm's.
+            waited = jax.tree.leaves([out[-1] for out in done])
+            bounds.append((in_flight, {jax.typeof(x).memory_space for x in waited if x.ndim}))
+        return done
+
+    monkeypatch.setattr(Optimizer, "update_leaf", recorded_update_leaf)
+    monkeypatch.setattr(stream, "pipelined", recorded_pipelined)
+    exp.steps.lowered()
+    assert paths == [exp.streamed_update.chunks[k].path for k in exp.steps.order]
+    assert bounds == [(3, {jax.memory.Space.Host})]
+
+
 def test_update_in_step_plans_its_chunks_in_flight_beside_the_step():
-    """The update inside the step holds at most chunks_in_flight moved chunks beside the
-    step's activations, and has no update after the step."""
+    """The update inside the step holds at most chunks_in_flight moved chunks in the step, and
+    has no update after it."""
     config = small_config(**IN_STEP, offload__update_in_step=True, offload__chunks_in_flight=3)
     exp = build(config, make_mesh(config.mesh))
     sizes = sorted(stream.chunk_bytes(c) for c in exp.streamed_update.chunks)
-    assert exp.plan.state_bytes["chunks beside the step"] == sum(sizes[-3:])
-    assert "update chunks" not in exp.plan.state_bytes
+    # In the step's temporaries, as the compiled step's check counts them.
+    assert exp.plan.state_bytes["chunks in the step"] == sum(sizes[-3:])
+    assert not {"chunks beside the step", "update chunks"} & set(exp.plan.state_bytes)
+    assert "chunks in the step" in planner.IN_TEMPORARIES
 
 
 @pytest.mark.parametrize(
@@ -880,6 +910,7 @@ def test_update_in_step_plans_its_chunks_in_flight_beside_the_step():
     [
         (dict(offload__policy="optimizer"), "scan_layers=false"),
         (dict(IN_STEP, offload__policy="none"), "config.offload.policy=optimizer"),
+        (dict(IN_STEP, offload__policy="params", model__remat="full"), "policy=optimizer"),
         (dict(IN_STEP, offload__delayed_update=True), "delayed_update=false"),
         (dict(IN_STEP, offload__cpu_update=0.5), "cpu_update=0"),
     ],

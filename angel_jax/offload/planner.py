@@ -60,9 +60,17 @@ ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # States alive only during the jitted forward/backward, and only during the streamed update
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
 # 8B step peaked at 80 GiB where their sum planned 105).
-STEP_ONLY = (*ACTIVATIONS, "microbatch grads", "layers in flight", "chunks beside the step")
+# "chunks in the step": the update's chunks in flight when it runs inside the step
+# (config.offload.update_in_step).
+STEP_ONLY = (
+    *ACTIVATIONS,
+    "microbatch grads",
+    "layers in flight",
+    "chunks beside the step",
+    "chunks in the step",
+)
 # The step's states that XLA holds as the compiled step's temporaries (on the device).
-IN_TEMPORARIES = ("layer inputs", "activations", "microbatch grads")
+IN_TEMPORARIES = ("layer inputs", "activations", "microbatch grads", "chunks in the step")
 UPDATE_ONLY = ("update chunks",)
 # The streamed update's groups: a group's program holds each of its chunks' update unrolled
 # (this bounds its compile time), and past this many bytes a group's copies (5 ms at the H200's
@@ -128,12 +136,12 @@ class Plan:
         trained parameter: AngelPTM's density measure (17.3 for ZeRO-Cache)."""
         b = self.state_bytes
         # The update's chunks on the device at their most: beside the step, or in the update.
-        transient = max(b.get("chunks beside the step", 0), b.get("update chunks", 0))
+        in_flight = ("chunks beside the step", "update chunks", "chunks in the step")
+        transient = max(b.get(s, 0) for s in in_flight)
         states = transient + sum(
             nbytes
             for s, nbytes in b.items()
-            if s not in (*ACTIVATIONS, *UPDATE_ONLY, "chunks beside the step")
-            and self.placement[s] != SSD
+            if s not in (*ACTIVATIONS, *in_flight) and self.placement[s] != SSD
         )
         return states * self.num_devices / self.num_params
 
@@ -465,27 +473,27 @@ def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool) -> Plan
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. With the update inside the step (`in_step`,
-    config.offload.update_in_step) its chunks in flight are beside the step's activations
-    instead: at most `in_flight` of the moved ones, counted as the largest."""
+    config.offload.update_in_step) its chunks in flight instead ("chunks in the step"): at
+    most `in_flight` of the moved ones, counted as the largest."""
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
     tiers = [plan.chunk_tier(*key) for key, _ in updated]
     sizes = [size for _, size in updated]
-    if in_step:
+    if in_step:  # Held in the step's temporaries, where the compiled step counts them.
         moved = sorted((n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE), reverse=True)
-        beside = sum(moved[:in_flight])
-    else:
-        groups = group_chunks(sizes, tiers, in_flight)
-        fetched, leaving = beside_step_groups(tiers, groups, in_flight)
-        beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
+        state_bytes = {**plan.state_bytes, "chunks in the step": sum(moved[:in_flight])}
+        placement = {**plan.placement, "chunks in the step": DEVICE}
+        return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)
+    groups = group_chunks(sizes, tiers, in_flight)
+    fetched, leaving = beside_step_groups(tiers, groups, in_flight)
+    beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
     state_bytes = {**plan.state_bytes, "chunks beside the step": beside}
     placement = {**plan.placement, "chunks beside the step": DEVICE}
     with_them = dataclasses.replace(
         plan, state_bytes=state_bytes, placement=placement, copies_beside_step=True
     )
-    fits = with_them.tier_bytes(DEVICE) <= USABLE * plan.budget[DEVICE]
-    if fits or not beside or in_step:  # The update in the step cannot do without them.
+    if with_them.tier_bytes(DEVICE) <= USABLE * plan.budget[DEVICE] or not beside:
         return with_them
     state_bytes["chunks beside the step"] = 0
     return dataclasses.replace(with_them, state_bytes=state_bytes, copies_beside_step=False)

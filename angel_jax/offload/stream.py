@@ -55,7 +55,8 @@ def pipelined(fn, chunks, in_flight: int) -> list:
 
     Chunk k's inputs wait (an optimization barrier) until chunk k - in_flight's last output
     exists, else XLA's scheduler would start every host->device copy early and hold all of
-    them on the device. `fn` returns a tuple whose last item is a device value.
+    them on the device. `fn` returns a tuple whose last item is what the chunk `in_flight`
+    later waits for (arrays on the device, or copies home).
     """
     done = []
     for k, chunk in enumerate(chunks):
@@ -106,36 +107,47 @@ def global_norm(grads, stacked, in_flight: int):
     return jnp.sqrt(sum(s for (s,) in squares))
 
 
-def update_in_step(optimizer, chunks, order, grads, scale, masters, states, compute, in_flight, ok):
+def update_in_step(
+    optimizer: Optimizer,
+    chunks: list["Chunk"],
+    order: list[int],
+    grads: list,
+    scale: jax.Array,
+    masters: list,
+    states: list,
+    compute: list,
+    in_flight: int,
+    ok: jax.Array | None,
+) -> tuple[list, list, list]:
     """The streamed update traced into the forward/backward's program
     (config.offload.update_in_step): each chunk's master and state fetched to the device,
     updated with its grad times `scale` and sent home, and its new compute copy made, in
-    `order` (indices into `chunks`: the backward pass's, so that a chunk's copies can run
-    beside the backward pass of the layers before it) with at most `in_flight` chunks on
-    the device at once (`pipelined`). With `ok` false (an anomalous step, or None for
-    never) every chunk keeps its old values. Chunks are unstacked weights on the device or in
-    host memory; arguments and results are flat lists over the params' leaves, as
+    `order` (indices into `chunks`: the backward pass's) with at most `in_flight` chunks on
+    the device at once: a chunk is fetched once the chunk `in_flight` before it is home
+    (`pipelined`, on its copies home). With `ok` false (an anomalous step; None: never)
+    every chunk keeps its old values. Chunks are unstacked weights on the device or in host
+    memory; arguments and results are flat lists over the params' leaves, as
     `StreamedUpdate`'s."""
+    assert all(c.layer is None for c in chunks), "the update in the step takes no stacked weights"
     masters, states, compute = list(masters), list(states), list(compute)
-    to_device = lambda x: jax.device_put(x, Space.Device)
 
     def one(i, master, state, grad):
         c = chunks[order[i]]
         home = jax.tree.map(lambda x: jax.typeof(x).memory_space, (master, state))
-        old = jax.tree.map(to_device, (master, state))
+        old = jax.tree.map(lambda x: jax.device_put(x, Space.Device), (master, state))
         new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], old[0])
         new_compute = new[0].astype(compute[c.weight].dtype)
         if ok is not None:
             new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_compute = jnp.where(ok, new_compute, compute[c.weight])
-        new = jax.tree.map(lambda x, kind: jax.device_put(x, kind), new, home)
-        return (*new, new_compute)
+        # Last: the copies home, which the chunk in_flight after this one waits for.
+        return new_compute, jax.tree.map(jax.device_put, new, home)
 
     inputs = [
-        (masters[chunks[k].weight], states[chunks[k].weight], grads[chunks[k].weight])
-        for k in order
+        (masters[c.weight], states[c.weight], grads[c.weight])
+        for c in map(chunks.__getitem__, order)
     ]
-    for k, (master, state, new_compute) in zip(
+    for k, (new_compute, (master, state)) in zip(
         order, pipelined(one, inputs, in_flight), strict=True
     ):
         w = chunks[k].weight
