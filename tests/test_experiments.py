@@ -1,5 +1,7 @@
-"""The benchmarks' shared child runner (experiments/throughput.py `run`)."""
+"""The benchmarks' shared child runner (experiments/throughput.py `run`), and their parts that
+run on the CPU."""
 
+import json
 import pathlib
 import re
 import sys
@@ -229,3 +231,16 @@ def test_the_two_gpu_runs_compiled_on_fewer_gpus_are_issue_25s_and_valid_configs
         validate(load_config(config, overrides))  # As `build` checks it in the child.
     with pytest.raises(SystemExit, match="COMPILE_FOR_DEVICES=2: compile-only devices"):
         throughput.compile_only_devices(2)
+
+
+def test_the_fused_update_probe_checks_its_programs_against_their_parts(tmp_path, monkeypatch):
+    """The probe's fused programs (scanned and unrolled, the update beside the backward pass)
+    agree with their parts run one after the other; its GPU figures rest on that."""
+    import fused_update_probe
+
+    out = tmp_path / "probe.json"
+    args = "--layers 2 --d 64 --ffn 128 --tokens 32 --reps 1 --out".split()
+    monkeypatch.setattr(sys, "argv", ["fused_update_probe.py", *args, str(out)])
+    assert fused_update_probe.main() == 0
+    systems = [r["system"] for r in json.loads(out.read_text())["results"]]
+    assert "update beside the backward pass, unrolled layers" in systems
