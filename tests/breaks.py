@@ -379,8 +379,8 @@ BREAKS = [
     (
         "microbatch grads counted as lasting grads",
         "angel_jax/offload/planner.py",
-        'STEP_ONLY = (*ACTIVATIONS, "microbatch grads",',
-        "STEP_ONLY = (*ACTIVATIONS,",
+        '    *ACTIVATIONS,\n    "microbatch grads",\n    "layers in flight",',
+        '    *ACTIVATIONS,\n    "layers in flight",',
         ["tests/test_offload.py::test_microbatch_grads_are_planned_in_the_steps_temporaries"],
     ),
     (
@@ -402,8 +402,14 @@ BREAKS = [
     (
         "chunks beside the step counted as the update's",
         "angel_jax/offload/planner.py",
-        ('"layers in flight", "chunks beside the step")', 'UPDATE_ONLY = ("update chunks",)'),
-        ('"layers in flight")', 'UPDATE_ONLY = ("update chunks", "chunks beside the step")'),
+        (
+            '    "chunks beside the step",\n    "chunks in the step",\n)',
+            'UPDATE_ONLY = ("update chunks",)',
+        ),
+        (
+            '    "chunks in the step",\n)',
+            'UPDATE_ONLY = ("update chunks", "chunks beside the step")',
+        ),
         [
             "tests/test_offload.py::test_the_steps_activations_and_the_updates_chunks_are_not_counted_together",
             "tests/test_offload.py::test_the_updates_groups_beside_the_step_are_the_plans",

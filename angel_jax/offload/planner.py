@@ -571,7 +571,7 @@ def make_plan(
             "optimizer state": local_bytes(opt),
             **saved,
         }
-        if not in_step:  # Else the update runs inside the step: chunks beside the step.
+        if not in_step:  # Else the update runs inside the step: "chunks in the step".
             out["update chunks"] = _in_flight_bytes(chunks, in_flight)
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
