@@ -320,8 +320,8 @@ class InStepUpdate(_Offloaded):
         norm = global_norm(grads, exp.stacked, in_flight)
         ok = None
         if ceiling is not None:
-            ok = jnp.logical_not(is_anomalous(metrics["loss"], norm, ceiling))
-            metrics["skipped"] = jnp.logical_not(ok).astype(jnp.int32)
+            skipped = is_anomalous(metrics["loss"], norm, ceiling)
+            ok, metrics["skipped"] = ~skipped, skipped.astype(jnp.int32)
         flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
         chunks, scale = exp.streamed_update.chunks, exp.optimizer.clip_scale(norm)
         new = update_in_step(

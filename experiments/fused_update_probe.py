@@ -203,10 +203,11 @@ def unstacked(state, grads):
     """Per-layer arrays of stacked ones: state in host memory, grads on the device."""
     on_host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     on_device = SingleDeviceSharding(jax.devices()[0])
-    layer_of = lambda x, i: jax.device_put(jax.device_put(x, on_device)[i], on_host)
     layers = grads[0].shape[0]
+    # Each stacked array visits the device once, sliced there.
+    sliced = [[list(jax.device_put(x, on_device)) for x in part] for part in state]
     per_layer_state = [
-        tuple(tuple(layer_of(state[s][w], i) for s in range(3)) for w in range(2))
+        tuple(tuple(jax.device_put(sliced[s][w][i], on_host) for s in range(3)) for w in range(2))
         for i in range(layers)
     ]
     return per_layer_state, [tuple(g[i] for g in grads) for i in range(layers)]
