@@ -108,6 +108,13 @@ def _train_loop(
             "note: config.offload.delayed_update=true: each step's update runs during the next "
             "step, which computes on weights one update behind"
         )
+    if config.offload.update_in_step and exp.steps.waits_for_the_norm:
+        say(
+            f"note: with {' and '.join(exp.steps.waits_for_the_norm)} the update in the step "
+            "waits for the whole step's grad norm and runs after the backward pass, not beside "
+            'it (README "Update inside the step"); config.train.grad_clip=0 and '
+            "config.monitor.on_anomaly=log let it overlap the backward pass"
+        )
     if exp.pipeline:
         say(exp.pipeline.table())
     if t.lr_scaling != "none":

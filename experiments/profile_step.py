@@ -34,6 +34,11 @@ KINDS = [
 ]
 
 
+# A step's backward pass has no gap this long (µs) between kernels that name their HLO op;
+# steps are further apart (their forward passes).
+BACKWARD_GAP_US = 50e3
+
+
 def kind_of(name: str) -> str:
     low = name.lower()
     for kind, patterns in KINDS:
@@ -70,9 +75,15 @@ def device_events(trace: dict) -> dict[str, list[dict]]:
 
 def merged(events: list[dict]) -> list[tuple[float, float]]:
     """The union of the events' intervals, as sorted disjoint (start, stop) pairs."""
+    return spans(sorted((e["ts"], e["ts"] + e["dur"]) for e in events), 0.0)
+
+
+def spans(intervals: list[tuple[float, float]], gap_us: float) -> list[tuple[float, float]]:
+    """Sorted intervals joined where at most `gap_us` apart: the stretches of time a kind of
+    work runs in, waits inside it included."""
     out: list[tuple[float, float]] = []
-    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
-        if out and start <= out[-1][1]:
+    for start, stop in intervals:
+        if out and start - out[-1][1] <= gap_us:
             out[-1] = (out[-1][0], max(out[-1][1], stop))
         else:
             out.append((start, stop))
@@ -111,6 +122,17 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
 def is_dma(e: dict) -> bool:
     """A copy engine's transfer (host<->device), not an XLA copy kernel."""
     return e["name"].lower().startswith("memcpy")
+
+
+def source_of(op: str, kernel: str, sources: dict[str, str]) -> str:
+    """The JAX op path a kernel comes from. Kernels inside command buffers name their fusion:
+    "fusion_12" is "fusion.12"."""
+    return sources.get(op) or sources.get(re.sub(r"_(\d+)$", r".\1", kernel), "")
+
+
+def is_backward(e: dict, sources: dict[str, str]) -> bool:
+    """A kernel of the backward pass: it comes from a transposed (vjp) JAX op."""
+    return "transpose(" in source_of(event_op(e), e["name"], sources)
 
 
 def communication(events: list[dict], dma: bool = False) -> dict:
@@ -202,12 +224,16 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
         if "XLA" not in thread:
             per_gpu[gpu].extend(stream)
     n = len(per_gpu)
+    sources = hlo_sources(hlo_text)
     by_kind, by_name = collections.Counter(), collections.Counter()
     gpus = {}
     for gpu, events in sorted(per_gpu.items()):
         span_us = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
         busy = busy_us(events)
         comm, copies = communication(events), communication(events, dma=True)
+        backward = [e for e in events if event_kind(e) != "copy" and is_backward(e, sources)]
+        dma = merged([e for e in events if is_dma(e)])
+        backward_spans = spans(merged(backward), BACKWARD_GAP_US)
         gpus[gpu] = dict(
             span_ms_per_step=span_us / 1e3 / steps,
             busy_ms_per_step=busy / 1e3 / steps,
@@ -219,12 +245,17 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
             copy_ms_per_step=copies["collective_us"] / 1e3 / steps,
             exposed_copy_ms_per_step=copies["exposed_collective_us"] / 1e3 / steps,
             copy_overlapped_fraction=copies["overlapped_fraction"],
+            # Of those, the time during the backward pass (config.offload.update_in_step: the
+            # update's copies while the backward runs): from its first kernel to its last in
+            # each step. Kernels inside command buffers name no HLO op, so a step's backward
+            # is the stretch of its known kernels less than BACKWARD_GAP_US apart.
+            backward_ms_per_step=length(backward_spans) / 1e3 / steps,
+            copy_during_backward_ms_per_step=overlap(dma, backward_spans) / 1e3 / steps,
         )
         for e in events:
             kind = event_kind(e)
             by_kind[kind] += e["dur"] / n
             by_name[(kind, event_op(e), e["name"][:80])] += e["dur"] / n
-    sources = hlo_sources(hlo_text)
     mean = {}
     for key in next(iter(gpus.values())):  # Over the GPUs that have a value.
         values = [g[key] for g in gpus.values() if g[key] is not None]
@@ -241,8 +272,7 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
                 hlo_op=op,
                 kernel=label,
                 ms_per_step=us / 1e3 / steps,
-                # Kernels inside command buffers name their fusion: "fusion_12" is "fusion.12".
-                source=sources.get(op) or sources.get(re.sub(r"_(\d+)$", r".\1", label), ""),
+                source=source_of(op, label, sources),
             )
             for (kind, op, label), us in by_name.most_common(top)
         ],
@@ -265,7 +295,9 @@ def print_summary(s: dict) -> None:
             print(
                 f"  copies {g['copy_ms_per_step']:.1f} ms, of which"
                 f" {g['copy_overlapped_fraction']:.1%} overlap compute kernels; exposed"
-                f" {g['exposed_copy_ms_per_step']:.1f} ms"
+                f" {g['exposed_copy_ms_per_step']:.1f} ms; during the backward pass"
+                f" ({g['backward_ms_per_step']:.1f} ms) {g['copy_during_backward_ms_per_step']:.1f}"
+                " ms"
             )
     print("\nmean over GPUs:")
     total = sum(s["ms_per_step_by_kind"].values())

@@ -176,6 +176,20 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     )
 
 
+def most_copies_open(hlo_text: str) -> int:
+    """The most asynchronous copies (copy-start without its copy-done yet) that a compiled
+    program's schedule keeps open at once, over its entry computation in order."""
+    entry = re.search(r"^ENTRY .*?^\}", hlo_text, re.M | re.S)
+    open_now = most = 0
+    for line in entry.group(0).splitlines() if entry else []:
+        if " copy-start(" in line:
+            open_now += 1
+            most = max(most, open_now)
+        elif " copy-done(" in line:
+            open_now -= 1
+    return most
+
+
 def program_report(program, overrides: list[str]) -> dict:
     """What a compiled step holds: its kernels, its collectives' bytes and how XLA scheduled
     them; its HLO text is written to THROUGHPUT_HLO_DIR when set (for reading them later)."""
@@ -190,7 +204,10 @@ def program_report(program, overrides: list[str]) -> dict:
     return dict(
         kernels=custom_calls(text),
         # Host<->device copies inside the program: asynchronous (copy-start) or not.
-        host_copies={op: text.count(f" {op}(") for op in ("copy-start", "copy-done")},
+        host_copies={
+            **{op: text.count(f" {op}(") for op in ("copy-start", "copy-done")},
+            "most open": most_copies_open(text),
+        },
         collectives=collective_bytes(text),
         collective_schedule=collective_schedule(text),
     )

@@ -83,6 +83,60 @@ def test_the_timeline_merges_runs_of_work_and_keeps_long_host_calls():
     assert duration_ms("cuMemHostAlloc 31 GiB") == 5.0, lines
 
 
+def test_the_summary_counts_copies_during_the_backward_pass():
+    """A forward kernel, then the backward pass: two kernels from transposed JAX ops with a
+    kernel of no known op (a command buffer's) between them; a host-to-device copy from the
+    forward kernel's middle to the unknown kernel's: 2.5 of its 3 ms during the backward."""
+    import profile_step
+
+    def x(pid, tid, name, ts, dur, **args):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "Compute"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "H2D"}},
+            x(1, 1, "loop_fusion", 0, 1000, hlo_op="fusion.1"),
+            x(1, 1, "gemm", 1000, 1000, hlo_op="dot.2"),
+            x(1, 1, "nvjet_gemm", 2000, 1000, hlo_op="command_buffer_3"),
+            x(1, 1, "loop_fusion_4", 3000, 1000, hlo_op="command_buffer_3"),
+            x(1, 2, "MemcpyH2D", 500, 3000),
+        ]
+    }
+    hlo = (
+        '  %fusion.1 = f32[8]{0} fusion(%p), metadata={op_name="jit(step)/jvp(layer)/mul"}\n'
+        '  %dot.2 = f32[8]{0} dot(%a, %b), metadata={op_name="jit(step)/transpose(jvp('
+        'layer))/dot_general"}\n'
+        '  ROOT %loop_fusion.4 = f32[8]{0} fusion(%a), metadata={op_name="jit(step)/transpose(jvp('
+        'layer))/mul"}\n'
+    )
+    g = profile_step.summarize(trace, steps=1, hlo_text=hlo, top=5)["gpus"]["/device:GPU:0"]
+    assert g["copy_ms_per_step"] == 3.0 and g["backward_ms_per_step"] == 3.0, g
+    assert g["copy_during_backward_ms_per_step"] == 2.5, g
+
+
+def test_most_copies_open_follows_the_entry_computations_schedule():
+    hlo = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %a = f32[4]{0} copy-start(%p)
+  %b = f32[4]{0} copy-start(%p)
+  %c = f32[4]{0} copy-start(%p)
+}
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %cs.1 = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%p)
+  %cs.2 = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%p)
+  %cd.1 = f32[4]{0:S(5)} copy-done(%cs.1)
+  %cs.3 = (f32[4]{0:S(5)}, f32[4]{0}, u32[]) copy-start(%p)
+  %cd.2 = f32[4]{0:S(5)} copy-done(%cs.2)
+  ROOT %cd.3 = f32[4]{0:S(5)} copy-done(%cs.3)
+}
+"""
+    assert throughput.most_copies_open(hlo) == 2
+
+
 def test_collective_bytes_count_each_trip_of_a_scan():
     """A scan over 4 layers gathering each layer's (256, 128) bf16 weight split over 2 devices:
     4 gathers of 256 x 128 values in the forward (XLA:CPU gathers them in float32), and the

@@ -4,7 +4,9 @@ import collections
 import dataclasses
 import functools
 import json
+import pathlib
 import re
+import sys
 import types
 
 import jax
@@ -906,6 +908,24 @@ def test_update_in_step_plans_its_chunks_in_flight_beside_the_step():
 
 
 @pytest.mark.parametrize(
+    "clip, on_anomaly, waits",
+    [
+        (1.0, "skip", ["config.train.grad_clip=1", "config.monitor.on_anomaly=skip"]),
+        (0.5, "log", ["config.train.grad_clip=0.5"]),
+        (0.0, "skip", ["config.monitor.on_anomaly=skip"]),
+        (0.0, "log", []),
+    ],
+)
+def test_update_in_step_names_the_settings_that_hold_it_after_the_backward_pass(
+    clip, on_anomaly, waits
+):
+    config = small_config(**IN_STEP, offload__update_in_step=True, monitor__on_anomaly=on_anomaly)
+    config.train.grad_clip = clip
+    exp = types.SimpleNamespace(config=config)
+    assert steps.InStepUpdate.waits_for_the_norm.fget(types.SimpleNamespace(exp=exp)) == waits
+
+
+@pytest.mark.parametrize(
     "kw, needs",
     [
         (dict(offload__policy="optimizer"), "scan_layers=false"),
@@ -927,10 +947,15 @@ def test_update_in_step_copies_are_asynchronous_on_gpu():
     scheduler can run beside the compute (a scanned layer's would be synchronous)."""
     config = small_config(**IN_STEP, offload__update_in_step=True, mesh__data=1)
     exp = build(config, make_mesh(config.mesh))
-    text = exp.steps.grad_step.as_text()
+    text = exp.steps.program.as_text()
     # Each moved leaf down and home: master and both AdamW moments of every chunk.
     moved = 3 * len(exp.streamed_update.chunks)
     assert text.count(" copy-start(") == text.count(" copy-done(") >= 2 * moved
+    # More than XLA's default 2 open at once (steps.COPIES_IN_FLIGHT).
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    from throughput import most_copies_open
+
+    assert most_copies_open(text) > 2, most_copies_open(text)
 
 
 @pytest.mark.parametrize(
