@@ -22,6 +22,20 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "the streamed update keys its programs by the unrolled layer's number",
+        "angel_jax/offload/stream.py",
+        '                re.sub(r"\\d+", "#", jax.tree_util.keystr(c.path[:1])),',
+        "                jax.tree_util.keystr(c.path[:1]),",
+        ["tests/test_offload.py::test_unrolled_layers_share_the_streamed_updates_programs"],
+    ),
+    (
+        "the streamed update's groups straddle unrolled layers",
+        "angel_jax/offload/planner.py",
+        "            and parts[groups[-1][-1]] == parts[k]\n",
+        "",
+        ["tests/test_offload.py::test_unrolled_layers_share_the_streamed_updates_programs"],
+    ),
+    (
         "the update in the step never says that clipping holds it back",
         "angel_jax/steps.py",
         "        if c.train.grad_clip > 0:\n            waits.append(",

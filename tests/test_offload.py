@@ -787,6 +787,24 @@ def test_delayed_update_needs_an_offloaded_update():
 IN_STEP = dict(model__scan_layers=False, offload__policy="optimizer")
 
 
+def test_unrolled_layers_share_the_streamed_updates_programs():
+    """With the layers unrolled each layer's weights are other weights, yet the streamed
+    update compiles as many programs for 4 layers as for 2: the groups are cut at the
+    layers' bounds and a program is keyed by what it computes, not by which weights."""
+    programs = {}
+    for layers in (2, 4):
+        config = small_config(**IN_STEP, model__num_layers=layers, offload__chunks_in_flight=4)
+        exp = build(config, make_mesh(config.mesh))
+        state = exp.init_state()
+        exp.train_step(state, exp.global_batch(make_batches(config)[0]))
+        update = exp.streamed_update
+        programs[layers] = len(update._fns)
+        assert programs[layers] < len(update.groups), (programs, update.groups)
+        parts = [{planner.chunk_part(update.chunks[k].key) for k in ks} for ks in update.groups]
+        assert all(len(p) == 1 for p in parts), parts  # No group spans two layers.
+    assert programs[2] == programs[4], programs
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -1151,7 +1169,8 @@ def test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up(mo
             held = [e[3] for e in update._leaving]
             assert set(held) <= set(leaving) and len(held) == len(set(held)), (held, leaving)
         expected = [g for g in leaving if update.groups[g] != early]
-        assert held == expected and len(expected) == (2 if in_flight == 4 else 1)
+        # Every chunk in flight: each part of the params one group, all left.
+        assert held == expected and len(expected) == (2 if in_flight == 4 else len(update.groups))
 
 
 def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):

@@ -411,13 +411,23 @@ def _in_flight_bytes(chunks, in_flight: int) -> int:
     return sum(sizes[-ahead:]) + sum(sizes[-leaving:])
 
 
-def group_chunks(sizes: list[int], tiers: list[str], in_flight: int) -> list[list[int]]:
-    """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier,
-    each group of at most `MOST_CHUNKS_A_GROUP` chunks and, unless every chunk is in flight,
-    `MOST_BYTES_A_GROUP` bytes (a larger chunk is a group of its own) and the bytes of the
-    smallest of the largest chunks `_in_flight_bytes` counts (the larger of its ahead and
-    leaving), so that any such number of groups holds no more than that many of the largest
-    chunks. SSD chunks stay alone (their reads and writes are per chunk)."""
+def chunk_part(key: str) -> str:
+    """The top-level part of the params a chunk's weight is in (`keystr` of its path's first
+    key: an unrolled layer, the embedding, ...), from its key path's `keystr`."""
+    return key.split("]", 1)[0] + "]"
+
+
+def group_chunks(
+    sizes: list[int], tiers: list[str], parts: list[str], in_flight: int
+) -> list[list[int]]:
+    """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier
+    and one part of the params (`chunk_part`: unrolled layers' groups alike, so that they
+    share their update's program, `StreamedUpdate._fn`), each group of at most
+    `MOST_CHUNKS_A_GROUP` chunks and, unless every chunk is in flight, `MOST_BYTES_A_GROUP`
+    bytes (a larger chunk is a group of its own) and the bytes of the smallest of the largest
+    chunks `_in_flight_bytes` counts (the larger of its ahead and leaving), so that any such
+    number of groups holds no more than that many of the largest chunks. SSD chunks stay
+    alone (their reads and writes are per chunk)."""
     if not sizes:
         return []
     counted = max(flight(in_flight))
@@ -430,6 +440,7 @@ def group_chunks(sizes: list[int], tiers: list[str], in_flight: int) -> list[lis
             groups
             and tier != SSD
             and tiers[groups[-1][-1]] == tier
+            and parts[groups[-1][-1]] == parts[k]
             and len(groups[-1]) < MOST_CHUNKS_A_GROUP
             and total + size <= cap
         )
@@ -485,7 +496,8 @@ def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool) -> Plan
         state_bytes = {**plan.state_bytes, "chunks in the step": sum(moved[:in_flight])}
         placement = {**plan.placement, "chunks in the step": DEVICE}
         return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)
-    groups = group_chunks(sizes, tiers, in_flight)
+    parts = [chunk_part(key[0]) for key, _ in updated]
+    groups = group_chunks(sizes, tiers, parts, in_flight)
     fetched, leaving = beside_step_groups(tiers, groups, in_flight)
     beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
     state_bytes = {**plan.state_bytes, "chunks beside the step": beside}

@@ -11,6 +11,7 @@ host grad sums) holds on the device.
 import collections
 import concurrent.futures as futures
 import functools
+import re
 import time
 from typing import NamedTuple
 
@@ -20,7 +21,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import CPU, DEVICE, HOST, SSD, flight, group_chunks, local_bytes
+from angel_jax.offload.planner import (
+    CPU,
+    DEVICE,
+    HOST,
+    SSD,
+    chunk_part,
+    flight,
+    group_chunks,
+    local_bytes,
+)
 from angel_jax.optim import Optimizer
 
 Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
@@ -228,7 +238,8 @@ class StreamedUpdate:
         self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
         self.ahead, self.leaving = flight(in_flight)
         sizes = [chunk_bytes(c) for c in self.chunks]
-        self.groups = group_chunks(sizes, [c.tier for c in self.chunks], in_flight)
+        tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
+        self.groups = group_chunks(sizes, tiers, parts, in_flight)
         self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
@@ -462,14 +473,31 @@ class StreamedUpdate:
         return self.cpu.update(grads, scale, compute) if self.cpu else []
 
     def _fn(self, ks: list[int], grads: list, compute: list):
-        """The jitted update of a group of chunks: one program per sequence of weights (and
-        whether each grad is stacked), not per layer, so groups alike share it."""
+        """The jitted update of a group of chunks: one program per sequence of weights alike
+        (and whether each grad is stacked), not per layer, so groups alike share it: a
+        stacked weight's layers, and unrolled layers' weights (their paths alike but for the
+        layer's number, their shapes and shardings alike)."""
         group = [self.chunks[k] for k in ks]
         # Stacked grads: the program picks the layer.
         indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
-        key = tuple((c.weight, i) for c, i in zip(group, indexed, strict=True))
+        weights = list(dict.fromkeys(c.weight for c in group))
+        key = tuple(
+            (
+                # The part's number left out: an unrolled layer's.
+                re.sub(r"\d+", "#", jax.tree_util.keystr(c.path[:1])),
+                jax.tree_util.keystr(c.path[1:]),
+                weights.index(c.weight),
+                c.layer is None,
+                i,
+                c.master,
+                jax.tree.structure(c.state),
+                tuple(jax.tree.leaves(c.state)),
+                jax.typeof(compute[c.weight]),
+                compute[c.weight].sharding,
+            )
+            for c, i in zip(group, indexed, strict=True)
+        )
         if key not in self._fns:
-            weights = list(dict.fromkeys(c.weight for c in group))
 
             def update(grads, layers, scale, masters, states, computes):
                 computes = dict(zip(weights, computes, strict=True))
