@@ -244,6 +244,20 @@ class StreamedUpdate:
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
+        # Per chunk, what its update's program depends on: its path but for the number of the
+        # params' part (an unrolled layer's), whether it is a stacked weight's layer, and its
+        # master's and state's shapes and shardings (`_fn`'s key).
+        self._alike = [
+            (
+                re.sub(r"\d+", "#", jax.tree_util.keystr(c.path[:1])),
+                jax.tree_util.keystr(c.path[1:]),
+                c.layer is None,
+                c.master,
+                jax.tree.structure(c.state),
+                tuple(jax.tree.leaves(c.state)),
+            )
+            for c in self.chunks
+        ]
         # Per group on its way home, in update order: [its host copies (or SSD writes), its
         # device outputs, the caller's old host copies, the group], deleted by `_delete_ready`.
         self._leaving = collections.deque()
@@ -483,19 +497,13 @@ class StreamedUpdate:
         weights = list(dict.fromkeys(c.weight for c in group))
         key = tuple(
             (
-                # The part's number left out: an unrolled layer's.
-                re.sub(r"\d+", "#", jax.tree_util.keystr(c.path[:1])),
-                jax.tree_util.keystr(c.path[1:]),
+                self._alike[k],
                 weights.index(c.weight),
-                c.layer is None,
                 i,
-                c.master,
-                jax.tree.structure(c.state),
-                tuple(jax.tree.leaves(c.state)),
                 jax.typeof(compute[c.weight]),
                 compute[c.weight].sharding,
             )
-            for c, i in zip(group, indexed, strict=True)
+            for k, c, i in zip(ks, group, indexed, strict=True)
         )
         if key not in self._fns:
 
