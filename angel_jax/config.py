@@ -211,7 +211,8 @@ def default_config() -> ml_collections.ConfigDict:
     # step), for unrolled layers (config.model.scan_layers=false), whose host copies XLA
     # compiles as asynchronous copies it may run beside the compute. Each chunk waits for its
     # grad, and for the global grad norm when the step clips (train.grad_clip) or skips
-    # anomalies (monitor.on_anomaly=skip). No gain over the streamed update measured yet.
+    # anomalies (monitor.on_anomaly=skip): with either on the update runs after the backward
+    # pass (README "Update inside the step": llama_1b 0.67x `none`'s speed, 0.83x with both off).
     c.offload.update_in_step = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).

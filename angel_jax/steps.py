@@ -325,7 +325,7 @@ class InStepUpdate(_Offloaded):
         c, waits = self.exp.config, []
         if c.train.grad_clip > 0:
             waits.append(f"config.train.grad_clip={c.train.grad_clip:g}")
-        if c.monitor.on_anomaly == "skip":
+        if self.guarded:
             waits.append("config.monitor.on_anomaly=skip")
         return waits
 

@@ -248,7 +248,7 @@ def summarize(trace: dict, steps: int, hlo_text: str, top: int) -> dict:
             # Of those, the time during the backward pass (config.offload.update_in_step: the
             # update's copies while the backward runs): from its first kernel to its last in
             # each step. Kernels inside command buffers name no HLO op, so a step's backward
-            # is the stretch of its known kernels less than BACKWARD_GAP_US apart.
+            # is the stretch of its known kernels at most BACKWARD_GAP_US apart.
             backward_ms_per_step=length(backward_spans) / 1e3 / steps,
             copy_during_backward_ms_per_step=overlap(dma, backward_spans) / 1e3 / steps,
         )

@@ -939,8 +939,10 @@ def test_update_in_step_names_the_settings_that_hold_it_after_the_backward_pass(
 ):
     config = small_config(**IN_STEP, offload__update_in_step=True, monitor__on_anomaly=on_anomaly)
     config.train.grad_clip = clip
-    exp = types.SimpleNamespace(config=config)
-    assert steps.InStepUpdate.waits_for_the_norm.fget(types.SimpleNamespace(exp=exp)) == waits
+    step = types.SimpleNamespace(
+        exp=types.SimpleNamespace(config=config), guarded=on_anomaly == "skip"
+    )
+    assert steps.InStepUpdate.waits_for_the_norm.fget(step) == waits
 
 
 @pytest.mark.parametrize(

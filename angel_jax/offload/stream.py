@@ -249,14 +249,14 @@ class StreamedUpdate:
         # master's and state's shapes and shardings (`_fn`'s key).
         self._alike = [
             (
-                re.sub(r"\d+", "#", jax.tree_util.keystr(c.path[:1])),
+                re.sub(r"\d+", "#", part),
                 jax.tree_util.keystr(c.path[1:]),
                 c.layer is None,
                 c.master,
                 jax.tree.structure(c.state),
                 tuple(jax.tree.leaves(c.state)),
             )
-            for c in self.chunks
+            for c, part in zip(self.chunks, parts, strict=True)
         ]
         # Per group on its way home, in update order: [its host copies (or SSD writes), its
         # device outputs, the caller's old host copies, the group], deleted by `_delete_ready`.
