@@ -112,8 +112,15 @@ def _train_loop(
         say(
             f"note: with {' and '.join(exp.steps.waits_for_the_norm)} the update in the step "
             "waits for the whole step's grad norm and runs after the backward pass, not beside "
-            'it (README "Update inside the step"); config.train.grad_clip=0 and '
-            "config.monitor.on_anomaly=log let it overlap the backward pass"
+            'it (README "Update inside the step"); config.offload.speculative_update=true, or '
+            "config.train.grad_clip=0 and config.monitor.on_anomaly=log, let it overlap the "
+            "backward pass"
+        )
+    if config.offload.speculative_update:
+        say(
+            "note: config.offload.speculative_update=true: each step's update assumes it "
+            "neither clips nor is anomalous; a step that clips is updated again after it "
+            '(metrics "update_redone")'
         )
     if exp.pipeline:
         say(exp.pipeline.table())

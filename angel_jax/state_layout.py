@@ -124,6 +124,11 @@ def make_state_layout(
         )
     if config.offload.update_in_step:
         _check_update_in_step(config, plan)
+    elif config.offload.speculative_update:
+        raise ConfigError(
+            "config.offload.speculative_update=true speculates the update inside the step: "
+            "set config.offload.update_in_step=true too, or speculative_update=false"
+        )
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)

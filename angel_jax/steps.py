@@ -310,19 +310,24 @@ class InStepUpdate(_Offloaded):
     scheduler may run beside the compute, where a scanned layer's copies are synchronous
     (`fused_update_probe_unrolled.json`, README "Update inside the step"). A chunk's update
     waits for its grad, and for the global grad norm when it clips (config.train.grad_clip) or
-    skips anomalous steps (config.monitor.on_anomaly=skip). The math is the streamed
-    update's."""
+    skips anomalous steps (config.monitor.on_anomaly=skip), unless it speculates
+    (config.offload.speculative_update): then every chunk is updated as if the step neither
+    clips nor is anomalous, and a step that does is updated again after it, from the old
+    state the step kept (`_validated`). The math is the streamed update's."""
 
     def __init__(self, exp):
         super().__init__(exp)
         self.order = backward_order(exp)
         self.guarded = exp.config.monitor.on_anomaly == "skip"
+        self.speculative = exp.config.offload.speculative_update
 
     @property
     def waits_for_the_norm(self) -> list[str]:
         """The settings that make every chunk's update wait for the step's global grad norm,
         so that the update runs after the backward pass, not beside it."""
         c, waits = self.exp.config, []
+        if self.speculative:
+            return waits
         if c.train.grad_clip > 0:
             waits.append(f"config.train.grad_clip={c.train.grad_clip:g}")
         if self.guarded:
@@ -331,23 +336,39 @@ class InStepUpdate(_Offloaded):
 
     def update(self, state: TrainState, batch_BT1: jax.Array, ceiling: jax.Array | None = None):
         """(state, batch[, loss ceiling]) -> (next state, metrics), traced; with a ceiling the
-        update of an anomalous step is left out."""
+        update of an anomalous step is left out. Speculating, it returns as well what
+        `_validated` needs: (grads, clipping scale, whether the speculation held)."""
         exp = self.exp
         metrics, grads = exp.grads.loss_and_grads(state.compute_params, batch_BT1)
         in_flight = exp.config.offload.chunks_in_flight
         norm = global_norm(grads, exp.stacked, in_flight)
-        ok = None
+        ok, held = None, None
+        scale = exp.optimizer.clip_scale(norm)
         if ceiling is not None:
             skipped = is_anomalous(metrics["loss"], norm, ceiling)
             ok, metrics["skipped"] = ~skipped, skipped.astype(jnp.int32)
+        if self.speculative:  # Nothing below may wait for the norm.
+            held = scale == 1 if ok is None else ok & (scale == 1)
+            ok, used_scale = None, jnp.ones((), jnp.float32)
+        else:
+            used_scale = scale
         flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
-        chunks, scale = exp.streamed_update.chunks, exp.optimizer.clip_scale(norm)
         new = update_in_step(
-            exp.optimizer, chunks, self.order, flat[0], scale, *flat[1:], in_flight, ok
+            exp.optimizer,
+            exp.streamed_update.chunks,
+            self.order,
+            flat[0],
+            used_scale,
+            *flat[1:],
+            in_flight,
+            ok,
         )
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(state.step))
         treedef = jax.tree.structure(exp.stacked)
-        return TrainState(state.step + 1, *(treedef.unflatten(t) for t in new), state.comm), metrics
+        new = TrainState(state.step + 1, *(treedef.unflatten(t) for t in new), state.comm)
+        if self.speculative:
+            return new, metrics, (grads, scale, held)
+        return new, metrics
 
     def _lowered(self, guarded: bool) -> jax.stages.Lowered:
         exp, replicated = self.exp, self.replicated
@@ -356,11 +377,15 @@ class InStepUpdate(_Offloaded):
         if guarded:
             args.append(jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated))
             shardings.append(replicated)
+        outs = (exp.state_sharding, replicated)
+        if self.speculative:  # Grads stay where `loss_and_grads` put them.
+            outs += ((None, replicated, replicated),)
         jitted = jax.jit(
             self.update,
             in_shardings=tuple(shardings),
-            out_shardings=(exp.state_sharding, replicated),
-            donate_argnums=0,
+            out_shardings=outs,
+            # Speculating, the old state stays until the step is validated.
+            donate_argnums=() if self.speculative else 0,
         )
         with sharding.use_rules(exp.mesh, exp.rules):
             return jitted.lower(*args)
@@ -379,8 +404,39 @@ class InStepUpdate(_Offloaded):
 
     def _compiled(self, guarded: bool):
         if guarded == self.guarded:
-            return self.program
-        return self.checked(self._lowered(guarded).compile(compiler_options=COPIES_IN_FLIGHT))
+            compiled = self.program
+        else:
+            compiled = self.checked(
+                self._lowered(guarded).compile(compiler_options=COPIES_IN_FLIGHT)
+            )
+        return self._validated(compiled) if self.speculative else compiled
+
+    def _validated(self, compiled):
+        """The speculating step: the compiled step, then its speculation checked (one sync a
+        step). When the step clipped, its update is made again from the old state with the
+        clipped grads (the streamed update, after the step); when it was anomalous, the old
+        state stays. metrics["update_redone"] is 1 for a step updated again."""
+        exp = self.exp
+
+        def run(state, batch, *ceiling):
+            new, metrics, (grads, scale, held) = compiled(state, batch, *ceiling)
+            if jax.device_get(held):
+                metrics["update_redone"] = np.int32(0)
+                return new, metrics
+            step, new = new.step, None  # The speculated state goes.
+            skipped = bool(ceiling) and bool(jax.device_get(metrics["skipped"]))
+            metrics["update_redone"] = np.int32(not skipped)
+            if skipped:
+                return state.replace(step=step), metrics
+            flat = [self._flat(t) for t in (state.params, state.opt_state, state.compute_params)]
+            with sharding.use_rules(exp.mesh, exp.rules):
+                masters, states, compute = exp.streamed_update(self._flat(grads), scale, *flat)
+            treedef = jax.tree.structure(exp.stacked)
+            return TrainState(
+                step, *(treedef.unflatten(t) for t in (masters, states, compute)), state.comm
+            ), metrics
+
+        return run
 
     @functools.cached_property
     def train_step(self):

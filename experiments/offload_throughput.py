@@ -40,6 +40,10 @@ UNROLLED = ["--config.model.scan_layers=false"]
 NO_CLIP = [*UNROLLED, "--config.train.grad_clip=0"]
 IN_STEP = ["--config.offload.update_in_step=true"]
 BATCH_32 = ["--config.train.batch_size=32"]  # One microbatch: a longer backward to hide in.
+# Clipping on, never reached (llama_1b's first steps' norms are about 1.4): the speculative
+# update's speculation holds (config.offload.speculative_update).
+CLIP_UNREACHED = [*UNROLLED, "--config.train.grad_clip=10000"]
+SPECULATIVE = [*IN_STEP, "--config.offload.speculative_update=true"]
 # (name, config, overrides, steps timed or None for the default); steps=0 times the one
 # broken-down step instead. "hybrid": the host's cores update a share of the chunks
 # (config.offload.cpu_update; -1: the planner's share from measured rates).
@@ -143,6 +147,19 @@ VARIANTS = [
         "llama_1b/32x2048/unrolled optimizer, in step, 8 in flight, clipped",
         "llama_1b",
         [*DEVICE_UPDATE, *IN_FLIGHT_8, *IN_STEP, *UNROLLED, *BATCH_32],
+        None,
+    ),
+    ("llama_1b/unrolled/clip unreached none", "llama_1b", CLIP_UNREACHED, None),
+    (
+        "llama_1b/unrolled/clip unreached optimizer, in step, 8 in flight, speculative",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *SPECULATIVE, *CLIP_UNREACHED],
+        None,
+    ),
+    (
+        "llama_1b/unrolled/clip unreached optimizer, streamed, 8 in flight",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *CLIP_UNREACHED],
         None,
     ),
     ("llama_1b/unrolled/noclip none", "llama_1b", NO_CLIP, None),

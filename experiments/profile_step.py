@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from throughput import ROOT, write_results
 
 # Kernel kinds, by the first pattern a kernel's name matches (lower-cased).
@@ -352,10 +353,18 @@ def main() -> int:
         options.python_tracer_level, options.host_tracer_level = 1, 2
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=options):
         start = time.perf_counter()
+        traced = []
         for _ in range(a.steps):
             state, metrics = train_step(state, exp.global_batch(next(batches)))
+            traced.append(metrics)
         jax.block_until_ready((state, metrics))
         step_s = (time.perf_counter() - start) / a.steps
+    # What the traced steps did: their grad norms, and whether a speculated update was made
+    # again (config.offload.speculative_update).
+    read = ("loss", "grad_norm", "update_redone")
+    traced = [
+        {k: np.asarray(v).item() for k, v in jax.device_get(m).items() if k in read} for m in traced
+    ]
     trace_file = next(trace_dir.rglob("perfetto_trace.json.gz"))
     with gzip.open(trace_file) as f:
         summary = summarize(json.load(f), a.steps, hlo_text, a.top)
@@ -363,12 +372,14 @@ def main() -> int:
     tokens_per_s = t.batch_size * t.seq_len / step_s
     summary.update(
         overrides=a.overrides,
+        traced_steps=traced,
         step_s=step_s,
         tokens_per_s=tokens_per_s,
         mfu=tokens_per_s * m.flops_per_token(t.seq_len) / (989e12 * jax.device_count()),
     )
     mfu = summary["mfu"]
     print(f"step {step_s * 1e3:.1f} ms (traced), {tokens_per_s:,.0f} tok/s, MFU {mfu:.3f}")
+    print(f"traced steps: {traced}")
     print_summary(summary)
     out = pathlib.Path(a.out)
     write_results(str(out), [summary])

@@ -10,6 +10,7 @@ import sys
 import types
 
 import jax
+import jax.extend.core
 import numpy as np
 import pytest
 
@@ -874,6 +875,115 @@ def test_update_in_step_leaves_out_an_anomalous_steps_update():
     assert all(jax.tree.leaves(moved))
 
 
+SPECULATING = dict(IN_STEP, offload__update_in_step=True, offload__speculative_update=True)
+
+
+@pytest.mark.parametrize("clip, redone", [(1e-3, [1, 1, 1]), (1e6, [0, 0, 0])])
+def test_speculative_update_in_step_equals_the_exact_one(clip, redone):
+    """config.offload.speculative_update: a step that clips (every step at a clip of 1e-3) is
+    updated again from the old state, one that does not keeps its speculated update; either
+    way losses and state equal the update in the step that waits for the norm."""
+    kw = dict(zero_stage=1, mesh__data=8, offload__chunks_in_flight=3, train__grad_clip=clip)
+    _, ref_state, ref_losses = train(small_config(**IN_STEP, offload__update_in_step=True, **kw))
+    config = small_config(**SPECULATING, **kw)
+    exp = build(config, make_mesh(config.mesh))
+    state, losses, flags = exp.init_state(), [], []
+    for rows in make_batches(config)[:3]:
+        state, metrics = exp.train_step(state, exp.global_batch(rows))
+        losses.append(float(metrics["loss"]))
+        flags.append(int(metrics["update_redone"]))
+    assert flags == redone
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for tree in ("params", "opt_state", "compute_params"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            jax.device_get(getattr(state, tree)),
+            jax.device_get(getattr(ref_state, tree)),
+        )
+
+
+def test_speculative_update_in_step_keeps_an_anomalous_steps_state():
+    """A skipped step (its loss above the ceiling) keeps the old state bitwise, not the
+    speculated update; later steps equal the update that waits for the norm."""
+    finals = []
+    for speculative in (False, True):
+        config = small_config(**IN_STEP, offload__update_in_step=True, train__grad_clip=1e6)
+        config.offload.speculative_update = speculative
+        exp = build(config, make_mesh(config.mesh))
+        state = exp.init_state()
+        before = jax.device_get(state)
+        batch = exp.global_batch(make_batches(config)[0])
+        flags = []
+        for ceiling in (0.0, np.inf, np.inf):  # Every loss is above 0: the first is skipped.
+            state, metrics = exp.guarded_train_step(state, batch, ceiling)
+            flags.append((int(metrics["skipped"]), int(metrics.get("update_redone", 0))))
+            if len(flags) == 1:
+                for tree in ("params", "opt_state", "compute_params"):
+                    jax.tree.map(
+                        np.testing.assert_array_equal,
+                        jax.device_get(getattr(state, tree)),
+                        getattr(before, tree),
+                    )
+        assert flags == [(1, 0), (0, 0), (0, 0)]
+        finals.append(exp.params_numpy(state))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8), *finals)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), finals[1], before.params)
+    assert all(jax.tree.leaves(moved))
+
+
+def _depends_on(jaxpr, sources) -> set:
+    """The variables of `jaxpr` computed from any of `sources` (an equation's outputs depend
+    on all its inputs: nested programs count as one equation)."""
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jax.extend.core.Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return reached
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_speculative_update_in_step_never_waits_for_the_norm(speculative):
+    """Speculating, no chunk's new master or state is computed from the global grad norm or
+    the loss ceiling, so XLA may update each chunk as soon as the backward pass leaves it;
+    the update that waits for the norm reads both."""
+    config = small_config(**IN_STEP, offload__update_in_step=True, train__grad_clip=1.0)
+    config.offload.speculative_update = speculative
+    exp = build(config, make_mesh(config.mesh))
+    ceiling = jax.ShapeDtypeStruct((), np.float32)
+    with sharding.use_rules(exp.mesh, exp.rules):
+        closed = jax.make_jaxpr(exp.steps.update, return_shape=True)(
+            exp.abstract_state, exp.steps.abstract_batch(), ceiling
+        )
+    (jaxpr, shapes) = closed
+    jaxpr = jaxpr.jaxpr
+    new_state, metrics = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.outvars)[:2]
+    norm = metrics["grad_norm"]
+    updated = jax.tree.leaves((new_state.params, new_state.opt_state))
+    updated = [v for v in updated if isinstance(v, jax.extend.core.Var)]
+    assert len(updated) > 3 * len(exp.streamed_update.chunks) // 2
+    for source in (norm, jaxpr.invars[-1]):  # The grad norm; the loss ceiling.
+        reached = _depends_on(jaxpr, [source])
+        assert any(v in reached for v in updated) != speculative, source
+
+
+def test_speculative_update_in_step_plans_the_old_state_it_keeps():
+    """The step keeps the old state beside the new one until its norm is read: the moved
+    chunks in host memory, the compute copy and any resident chunks on the device."""
+    config = small_config(**SPECULATING)
+    plan = build(config, make_mesh(config.mesh)).plan
+    exact = build(small_config(**IN_STEP, offload__update_in_step=True), make_mesh(config.mesh))
+    kept = plan.state_bytes["old state kept"]
+    assert kept == plan.state_bytes["master params"] + plan.state_bytes["optimizer state"] > 0
+    assert plan.state_bytes["old device state kept"] == plan.state_bytes["compute params"]
+    assert plan.tier_bytes(HOST) == exact.plan.tier_bytes(HOST) + kept
+
+
+def test_speculative_update_needs_the_update_in_step():
+    config = small_config(**IN_STEP, offload__speculative_update=True)
+    with pytest.raises(ConfigError, match="update_in_step=true too"):
+        build(config, make_mesh(config.mesh))
+
+
 def test_update_in_step_takes_the_chunks_in_the_backward_passes_order():
     """A layer's grads are done when the backward pass leaves it: last layer first, after
     the head's weights; the embedding's (the tied LM head's too) are done last."""
@@ -939,10 +1049,14 @@ def test_update_in_step_names_the_settings_that_hold_it_after_the_backward_pass(
 ):
     config = small_config(**IN_STEP, offload__update_in_step=True, monitor__on_anomaly=on_anomaly)
     config.train.grad_clip = clip
-    step = types.SimpleNamespace(
-        exp=types.SimpleNamespace(config=config), guarded=on_anomaly == "skip"
-    )
-    assert steps.InStepUpdate.waits_for_the_norm.fget(step) == waits
+    for speculative in (False, True):
+        step = types.SimpleNamespace(
+            exp=types.SimpleNamespace(config=config),
+            guarded=on_anomaly == "skip",
+            speculative=speculative,
+        )
+        # Speculating, nothing waits (config.offload.speculative_update).
+        assert steps.InStepUpdate.waits_for_the_norm.fget(step) == ([] if speculative else waits)
 
 
 @pytest.mark.parametrize(

@@ -61,13 +61,16 @@ ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
 # 8B step peaked at 80 GiB where their sum planned 105).
 # "chunks in the step": the update's chunks in flight when it runs inside the step
-# (config.offload.update_in_step).
+# (config.offload.update_in_step); "old ... state kept": the state it keeps for a redo when it
+# speculates (config.offload.speculative_update).
 STEP_ONLY = (
     *ACTIVATIONS,
     "microbatch grads",
     "layers in flight",
     "chunks beside the step",
     "chunks in the step",
+    "old state kept",
+    "old device state kept",
 )
 # The step's states that XLA holds as the compiled step's temporaries (on the device).
 IN_TEMPORARIES = ("layer inputs", "activations", "microbatch grads", "chunks in the step")
@@ -480,12 +483,17 @@ def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     )
 
 
-def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool) -> Plan:
+def _with_step_chunks(
+    plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool = False
+) -> Plan:
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. With the update inside the step (`in_step`,
     config.offload.update_in_step) its chunks in flight instead ("chunks in the step"): at
-    most `in_flight` of the moved ones, counted as the largest."""
+    most `in_flight` of the moved ones, counted as the largest; speculating
+    (config.offload.speculative_update), the old state the step keeps for a redo beside its
+    new state: the moved chunks in host memory, the resident ones and the compute copy on the
+    device. A redo (the streamed update after the step) holds fewer chunks than the step."""
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
@@ -495,6 +503,14 @@ def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool) -> Plan
         moved = sorted((n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE), reverse=True)
         state_bytes = {**plan.state_bytes, "chunks in the step": sum(moved[:in_flight])}
         placement = {**plan.placement, "chunks in the step": DEVICE}
+        if speculative:
+            state_bytes["old state kept"] = sum(
+                n for n, t in zip(sizes, tiers, strict=True) if t == HOST
+            )
+            state_bytes["old device state kept"] = plan.state_bytes["compute params"] + sum(
+                n for n, t in zip(sizes, tiers, strict=True) if t == DEVICE
+            )
+            placement.update({"old state kept": HOST, "old device state kept": DEVICE})
         return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)
     parts = [chunk_part(key[0]) for key, _ in updated]
     groups = group_chunks(sizes, tiers, parts, in_flight)
@@ -558,6 +574,11 @@ def make_plan(
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
+
+    def step_chunks(plan: Plan) -> Plan:
+        return _with_step_chunks(
+            plan, chunks, in_flight, in_step, config.offload.speculative_update
+        )
 
     def sizes(name: str, remat: str) -> dict[str, int]:
         saved = dict(activations[remat])
@@ -630,7 +651,7 @@ def make_plan(
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(name, remat, placement, state_bytes, budget, num_params, mesh.size)
         # With every chunk in host memory: the room the groups beside the step may take.
-        plan = _with_step_chunks(plan, chunks, in_flight, in_step)
+        plan = step_chunks(plan)
         if policy != "auto" or name == "none":
             return plan
         # Fill the device's spare room with update chunks, in the update's order; once more
@@ -642,9 +663,7 @@ def make_plan(
                 if key not in resident and master + state <= spare:
                     spare -= master + state
                     resident.add(key)
-            filled = _with_step_chunks(
-                _with_resident(plan, resident, chunks), chunks, in_flight, in_step
-            )
+            filled = step_chunks(_with_resident(plan, resident, chunks))
             if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
                 break  # The second fill would push the groups beside the step out.
             plan = filled
@@ -666,9 +685,7 @@ def make_plan(
         state_bytes["SSD chunks"] = on_disk
         placement["SSD chunks"] = SSD
         # SSD groups go alone: the groups beside the step as they will be.
-        return _with_step_chunks(
-            dataclasses.replace(plan, on_ssd=frozenset(on_ssd)), chunks, in_flight, in_step
-        )
+        return step_chunks(dataclasses.replace(plan, on_ssd=frozenset(on_ssd)))
 
     names = ("none", "optimizer", "params") if policy == "auto" else (policy,)
     # The layer inputs' tiers to try, device first: their copies cost less than any other
@@ -704,9 +721,7 @@ def make_plan(
                 share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
             elif share < 0:
                 share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
-            plan = _with_step_chunks(
-                _with_cpu_update(plan, share, host), chunks, in_flight, in_step
-            )
+            plan = step_chunks(_with_cpu_update(plan, share, host))
             if note:
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
