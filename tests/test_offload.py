@@ -1098,8 +1098,9 @@ def test_update_in_step_copies_are_asynchronous_on_gpu():
         dict(offload__policy="optimizer"),
         dict(offload__policy="params"),
         dict(IN_STEP, offload__update_in_step=True),
+        SPECULATING,
     ],
-    ids=["optimizer", "params", "optimizer in step"],
+    ids=["optimizer", "params", "optimizer in step", "speculative in step"],
 )
 def test_offloaded_state_checkpoints_and_resumes(tmp_path, kw):
     config = small_config(zero_stage=3, mesh__data=8, model__remat="full", **kw)
