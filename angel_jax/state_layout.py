@@ -124,7 +124,16 @@ def make_state_layout(
         )
     if config.offload.update_in_step:
         _check_update_in_step(config, plan)
-    elif config.offload.speculative_update:
+    if config.offload.speculative_update and not (
+        config.train.grad_clip > 0 or config.monitor.on_anomaly == "skip"
+    ):
+        raise ConfigError(
+            "config.offload.speculative_update=true speculates past clipping and the anomaly "
+            "guard, and this run has neither (config.train.grad_clip=0, "
+            f"config.monitor.on_anomaly={config.monitor.on_anomaly}): the update in the step "
+            "waits for nothing already; set speculative_update=false"
+        )
+    if config.offload.speculative_update and not config.offload.update_in_step:
         raise ConfigError(
             "config.offload.speculative_update=true speculates the update inside the step: "
             "set config.offload.update_in_step=true too, or speculative_update=false"
@@ -162,7 +171,9 @@ def make_state_layout(
             config.offload.chunks_in_flight,
             ssd,
             cpu,
-            beside_step=plan.copies_beside_step,
+            # Beside the in-step update it only redoes a speculated one (steps.InStepUpdate),
+            # after which nothing may stay on its way home: no step after it sends it off.
+            beside_step=plan.copies_beside_step and not config.offload.update_in_step,
         )
     powersgd = abstract_comm = comm_sharding = None
     if config.train.powersgd_rank:

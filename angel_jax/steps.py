@@ -342,16 +342,14 @@ class InStepUpdate(_Offloaded):
         metrics, grads = exp.grads.loss_and_grads(state.compute_params, batch_BT1)
         in_flight = exp.config.offload.chunks_in_flight
         norm = global_norm(grads, exp.stacked, in_flight)
-        ok, held = None, None
-        scale = exp.optimizer.clip_scale(norm)
+        ok, scale = None, exp.optimizer.clip_scale(norm)
         if ceiling is not None:
             skipped = is_anomalous(metrics["loss"], norm, ceiling)
             ok, metrics["skipped"] = ~skipped, skipped.astype(jnp.int32)
+        used_scale = scale
         if self.speculative:  # Nothing below may wait for the norm.
             held = scale == 1 if ok is None else ok & (scale == 1)
             ok, used_scale = None, jnp.ones((), jnp.float32)
-        else:
-            used_scale = scale
         flat = [self._flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
         new = update_in_step(
             exp.optimizer,
@@ -422,6 +420,12 @@ class InStepUpdate(_Offloaded):
             new, metrics, (grads, scale, held) = compiled(state, batch, *ceiling)
             if jax.device_get(held):
                 metrics["update_redone"] = np.int32(0)
+                # The old state goes, as a donated one would (JAX may pass an unchanged
+                # input through as an output: those stay).
+                kept = {id(x) for x in jax.tree.leaves(new)}
+                for x in jax.tree.leaves(state):
+                    if id(x) not in kept:
+                        x.delete()
                 return new, metrics
             step, new = new.step, None  # The speculated state goes.
             skipped = bool(ceiling) and bool(jax.device_get(metrics["skipped"]))

@@ -53,6 +53,30 @@ BREAKS = [
         ["tests/test_offload.py::test_speculative_update_in_step_never_waits_for_the_norm"],
     ),
     (
+        "the speculative update in the step leaves out an anomalous step's update itself",
+        "angel_jax/steps.py",
+        "            ok, used_scale = None, jnp.ones((), jnp.float32)",
+        "            used_scale = jnp.ones((), jnp.float32)",
+        ["tests/test_offload.py::test_speculative_update_in_step_never_waits_for_the_norm"],
+    ),
+    (
+        "an auto plan counts a speculating step's resident chunks once",
+        "angel_jax/offload/planner.py",
+        "    kept = 2 if speculative else 1",
+        "    kept = 1",
+        [
+            "tests/test_offload.py::"
+            "test_speculative_update_in_step_keeps_resident_chunks_twice_in_an_auto_plan"
+        ],
+    ),
+    (
+        "a redo leaves groups on their way home",
+        "angel_jax/state_layout.py",
+        "            beside_step=plan.copies_beside_step and not config.offload.update_in_step,",
+        "            beside_step=plan.copies_beside_step,",
+        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+    ),
+    (
         "a speculated step that clipped keeps its speculated update",
         "angel_jax/steps.py",
         "            if jax.device_get(held):",

@@ -878,20 +878,25 @@ def test_update_in_step_leaves_out_an_anomalous_steps_update():
 SPECULATING = dict(IN_STEP, offload__update_in_step=True, offload__speculative_update=True)
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["train_step", "guarded"])
 @pytest.mark.parametrize("clip, redone", [(1e-3, [1, 1, 1]), (1e6, [0, 0, 0])])
-def test_speculative_update_in_step_equals_the_exact_one(clip, redone):
+def test_speculative_update_in_step_equals_the_exact_one(clip, redone, guarded):
     """config.offload.speculative_update: a step that clips (every step at a clip of 1e-3) is
     updated again from the old state, one that does not keeps its speculated update; either
-    way losses and state equal the update in the step that waits for the norm."""
+    way losses and state equal the update in the step that waits for the norm. Guarded (the
+    loop's default step), with no step anomalous, alike."""
     kw = dict(zero_stage=1, mesh__data=8, offload__chunks_in_flight=3, train__grad_clip=clip)
     _, ref_state, ref_losses = train(small_config(**IN_STEP, offload__update_in_step=True, **kw))
     config = small_config(**SPECULATING, **kw)
     exp = build(config, make_mesh(config.mesh))
     state, losses, flags = exp.init_state(), [], []
+    step = functools.partial(exp.guarded_train_step, ceiling=np.inf) if guarded else exp.train_step
     for rows in make_batches(config)[:3]:
-        state, metrics = exp.train_step(state, exp.global_batch(rows))
+        state, metrics = step(state, exp.global_batch(rows))
         losses.append(float(metrics["loss"]))
         flags.append(int(metrics["update_redone"]))
+        # A redo leaves nothing on its way home: no later step would send it off.
+        assert not exp.streamed_update._leaving
     assert flags == redone
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for tree in ("params", "opt_state", "compute_params"):
@@ -954,14 +959,15 @@ def test_speculative_update_in_step_never_waits_for_the_norm(speculative):
         closed = jax.make_jaxpr(exp.steps.update, return_shape=True)(
             exp.abstract_state, exp.steps.abstract_batch(), ceiling
         )
-    (jaxpr, shapes) = closed
+    (jaxpr, shapes), args = closed, (exp.abstract_state, exp.steps.abstract_batch(), ceiling)
     jaxpr = jaxpr.jaxpr
     new_state, metrics = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.outvars)[:2]
     norm = metrics["grad_norm"]
-    updated = jax.tree.leaves((new_state.params, new_state.opt_state))
+    ceiling_var = jax.tree.unflatten(jax.tree.structure(args), jaxpr.invars)[2]
+    updated = jax.tree.leaves((new_state.params, new_state.opt_state, new_state.compute_params))
     updated = [v for v in updated if isinstance(v, jax.extend.core.Var)]
-    assert len(updated) > 3 * len(exp.streamed_update.chunks) // 2
-    for source in (norm, jaxpr.invars[-1]):  # The grad norm; the loss ceiling.
+    assert len(updated) > 4 * len(exp.streamed_update.chunks) // 2
+    for source in (norm, ceiling_var):
         reached = _depends_on(jaxpr, [source])
         assert any(v in reached for v in updated) != speculative, source
 
@@ -978,9 +984,31 @@ def test_speculative_update_in_step_plans_the_old_state_it_keeps():
     assert plan.tier_bytes(HOST) == exact.plan.tier_bytes(HOST) + kept
 
 
-def test_speculative_update_needs_the_update_in_step():
+def test_speculative_update_in_step_keeps_resident_chunks_twice_in_an_auto_plan():
+    """`auto` fills the device's spare room with chunks counted twice when the step
+    speculates (a resident chunk's old copy stays beside the new one), and the plan fits."""
+    base = dict(zero_stage=3, mesh__data=8, model__num_layers=8, offload__host_gib=64)
+    kw = dict(SPECULATING, offload__chunks_in_flight=1, **base)
+    mesh = make_mesh(small_config(**kw).mesh)
+    offloaded = build(small_config(**kw), mesh)
+    none = build(small_config(offload__policy="none", **base), mesh).plan
+    # Halfway between what `optimizer` and `none` need on the device.
+    between = (offloaded.plan.tier_bytes(DEVICE) + none.tier_bytes(DEVICE)) / 2
+    auto = small_config(**{**kw, "offload__policy": "auto"})
+    auto.offload.device_gib = between / 0.95 / 2**30
+    plan = build(auto, mesh).plan
+    assert plan.policy == "optimizer" and plan.fits()
+    assert 0 < len(plan.resident) < len(offloaded.streamed_update.chunks)
+    b = plan.state_bytes
+    assert b["old device state kept"] == b["compute params"] + b["resident chunks"]
+
+
+def test_speculative_update_needs_the_update_in_step_and_something_to_speculate_past():
     config = small_config(**IN_STEP, offload__speculative_update=True)
     with pytest.raises(ConfigError, match="update_in_step=true too"):
+        build(config, make_mesh(config.mesh))
+    config = small_config(**SPECULATING, train__grad_clip=0.0, monitor__on_anomaly="log")
+    with pytest.raises(ConfigError, match="has neither"):
         build(config, make_mesh(config.mesh))
 
 

@@ -483,9 +483,7 @@ def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     )
 
 
-def _with_step_chunks(
-    plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool = False
-) -> Plan:
+def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool) -> Plan:
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. With the update inside the step (`in_step`,
@@ -493,7 +491,7 @@ def _with_step_chunks(
     most `in_flight` of the moved ones, counted as the largest; speculating
     (config.offload.speculative_update), the old state the step keeps for a redo beside its
     new state: the moved chunks in host memory, the resident ones and the compute copy on the
-    device. A redo (the streamed update after the step) holds fewer chunks than the step."""
+    device."""
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
@@ -574,11 +572,11 @@ def make_plan(
     chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
+    speculative = in_step and config.offload.speculative_update
+    kept = 2 if speculative else 1  # A speculating step keeps a resident chunk's old copy too.
 
     def step_chunks(plan: Plan) -> Plan:
-        return _with_step_chunks(
-            plan, chunks, in_flight, in_step, config.offload.speculative_update
-        )
+        return _with_step_chunks(plan, chunks, in_flight, in_step, speculative)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
         saved = dict(activations[remat])
@@ -660,8 +658,8 @@ def make_plan(
             spare = USABLE * budget[DEVICE] - plan.tier_bytes(DEVICE)
             resident = set(plan.resident)
             for key, master, state in chunks:
-                if key not in resident and master + state <= spare:
-                    spare -= master + state
+                if key not in resident and kept * (master + state) <= spare:
+                    spare -= kept * (master + state)
                     resident.add(key)
             filled = step_chunks(_with_resident(plan, resident, chunks))
             if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
