@@ -20,12 +20,24 @@ case overlaps if it takes about max(compute, copies) rather than their sum:
   512 h2d ...             the same bytes down in 512 copies, then the program, with and
                           without a tiny program launched between (H200: no
                           difference, 224.5 and 228.0 ms)
+  in program h2d / d2h / both
+                          the copies inside one jitted program (`jax.device_put` to a
+                          memory space, as the update in the step issues them): does one
+                          program move both directions at once? (The update in the step's
+                          copies reached about 56 GB/s for both together. Read in XLA's
+                          source, not yet seen on a GPU: a program's copies share 4 streams
+                          whatever their direction, and each copy-start waits for the
+                          compute stream's earlier work, copy-dones included.)
+  in program both, barrier
+                          the same with every source made ready at one point (an
+                          optimization barrier), so that no copy's start follows another's end
 and the host's memory bandwidth (numpy copies on 1-16 threads), which the copies share.
 A probe for the design, not a trainer feature.
 """
 
 import argparse
 import concurrent.futures as futures
+import functools
 import sys
 import time
 
@@ -60,6 +72,7 @@ def main() -> int:
     parser.add_argument("--matmuls", type=int, default=120, help="8192^3 bf16 matmuls")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="")
+    parser.add_argument("--only", default="", help="';'-separated: the cases whose name has one")
     args = parser.parse_args()
 
     device = jax.devices()[0]
@@ -118,6 +131,34 @@ def main() -> int:
         copies = [jax.device_put(h, on_device) for h in many]
         return copies, tiny() if tick else None, compute(x)
 
+    space = jax.memory.Space
+
+    def moved(arrays, to):
+        return [jax.device_put(a, to) for a in arrays]
+
+    programs = {
+        "in program h2d": jax.jit(lambda hs: moved(hs, space.Device)),
+        "in program d2h": jax.jit(lambda rs: moved(rs, space.Host)),
+        "in program both": jax.jit(lambda hs, rs: (moved(hs, space.Device), moved(rs, space.Host))),
+        "in program both, barrier": jax.jit(
+            lambda hs, rs: (
+                lambda both: (moved(both[0], space.Device), moved(both[1], space.Host))
+            )(jax.lax.optimization_barrier((hs, rs)))
+        ),
+    }
+    program_args = {
+        "in program h2d": (host,),
+        "in program d2h": (ready,),
+        "in program both": (host, ready),
+        "in program both, barrier": (host, ready),
+    }
+    # Asynchronous copies in each compiled program (copy-start/copy-done pairs).
+    copy_starts = {
+        name: fn.lower(*program_args[name]).compile().as_text().count(" copy-start(")
+        for name, fn in programs.items()
+    }
+    print(f"copy-starts: {copy_starts}", flush=True)
+
     chained_call_s = []
     cases = {
         "compute": lambda: compute(x),
@@ -134,9 +175,12 @@ def main() -> int:
         "chained": chained,
         "512 h2d then compute": lambda: many_h2d(False),
         "512 h2d, tiny program, compute": lambda: many_h2d(True),
+        **{name: functools.partial(fn, *program_args[name]) for name, fn in programs.items()},
     }
+    if args.only:
+        cases = {k: v for k, v in cases.items() if any(p in k for p in args.only.split(";"))}
     for _ in range(3):  # The pinned pool's first copies crawl: warmed first.
-        jax.block_until_ready(cases["both"]())
+        jax.block_until_ready((h2d(), d2h()))
     seconds = {}
     for name, fn in cases.items():
         jax.block_until_ready(fn())
@@ -152,11 +196,16 @@ def main() -> int:
         host_memory_gb_per_s={t: host_memory_rate(t) for t in (1, 4, 8, 16)},
         gib_each_way=nbytes / 2**30,
         chunks=args.chunks,
-        h2d_gb_per_s=nbytes / seconds["h2d"] / 1e9,
-        d2h_gb_per_s=nbytes / seconds["d2h"] / 1e9,
+        # The bytes each copy case moves (both directions' for "both") over its time.
+        gb_per_s={
+            k: (2 if k.endswith(("both", "barrier")) else 1) * nbytes / t / 1e9
+            for k, t in seconds.items()
+            if k in ("h2d", "d2h", "both") or k.startswith("in program")
+        },
         seconds=seconds,
+        in_program_copy_starts=copy_starts,
         # How long queueing the chained fetch took the caller (median).
-        chained_fetch_call_s=float(np.median(chained_call_s)),
+        chained_fetch_call_s=float(np.median(chained_call_s)) if chained_call_s else None,
     )
     print(summary)
     if args.out:
