@@ -40,6 +40,10 @@ class DecoderShape(Protocol):
         these per token, besides attention's."""
         ...
 
+    def layer_attention_flops(self, seq_len: int) -> float:
+        """One layer's attention's forward FLOPs per token (causal or not)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:

@@ -46,6 +46,13 @@ BREAKS = [
         ],
     ),
     (
+        "bert's attention counted as causal",
+        "angel_jax/models/classic.py",
+        '        return 2 * causal if self.family == "bert" else causal',
+        "        return causal",
+        ["tests/test_model.py::test_flops_per_token_counts_bidirectional_attention_whole"],
+    ),
+    (
         "the speculative update in the step clips with the norm",
         "angel_jax/steps.py",
         "            ok, used_scale = None, jnp.ones((), jnp.float32)",

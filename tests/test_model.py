@@ -1,5 +1,7 @@
 """The Llama model's math: loss, RoPE, causality, FLOP accounting."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +9,11 @@ import optax
 import pytest
 from flax import linen as nn
 
-from angel_jax.config import ConfigError, default_config
+from angel_jax.config import ConfigError, default_config, load_config
 from angel_jax.layers import apply_rope
 from angel_jax.losses import cross_entropy
 from angel_jax.models.llama import Llama, LlamaConfig
+from angel_jax.parallel import stage_plan
 
 
 def test_cross_entropy_matches_optax_and_adds_z_loss():
@@ -73,6 +76,20 @@ def test_flops_per_token_matches_baseline_convention():
     cfg = LlamaConfig.from_config(c.model, "cpu")
     assert cfg.matmul_params() == 1_034_420_224
     assert cfg.flops_per_token(2048) == 6 * 1_034_420_224 + 6 * 22 * 2048 * 2048
+
+
+@pytest.mark.parametrize("name, full", [("bert_tiny", True), ("gpt2_tiny", False)])
+def test_flops_per_token_counts_bidirectional_attention_whole(name, full):
+    """BERT attends to every position: QK^T and AV cost twice a causal model's (MFU and the
+    remat and stage planners read these)."""
+    from angel_jax.models.classic import ClassicConfig
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    model = load_config(str(root / f"configs/{name}.py")).model
+    cfg, t = ClassicConfig.from_config(model, "cpu"), 128
+    attention = (12 if full else 6) * cfg.num_layers * t * cfg.num_heads * cfg.head_dim
+    assert cfg.flops_per_token(t) == 6 * cfg.matmul_params() + attention
+    assert stage_plan.layer_flops(cfg, t)[1] == attention / 3 / cfg.num_layers
 
 
 def test_cudnn_attention_off_gpu_is_a_config_error():

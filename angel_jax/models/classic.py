@@ -68,6 +68,12 @@ class ClassicConfig:
         """One (encoder or decoder-only) layer's matmul parameters."""
         return 4 * self.d_model * self.num_heads * self.head_dim + 2 * self.d_model * self.ffn_dim
 
+    def layer_attention_flops(self, seq_len: int) -> float:
+        """One (encoder or decoder-only) layer's attention's forward FLOPs per token: all of
+        QK^T and AV's for BERT's bidirectional attention, half for a causal one."""
+        causal = 2 * seq_len * self.num_heads * self.head_dim
+        return 2 * causal if self.family == "bert" else causal
+
     def matmul_params(self) -> int:
         layers = self.num_layers * self.layer_matmul_params()
         if self.family == "t5":  # Decoder layers also have cross-attention.
@@ -76,9 +82,10 @@ class ClassicConfig:
         return layers + self.vocab_size * self.d_model
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul params + attention (as LlamaConfig counts)."""
+        """Training FLOPs per token: 6 x matmul params + 3 x attention's forward (as LlamaConfig
+        counts; T5's decoder layers counted as its encoder's)."""
         layers = self.num_layers + (self.decoder_layers if self.family == "t5" else 0)
-        return 6 * self.matmul_params() + 6 * layers * seq_len * self.num_heads * self.head_dim
+        return 6 * self.matmul_params() + 3 * layers * self.layer_attention_flops(seq_len)
 
 
 def run_layers(layer: type[nn.Module], cfg, count: int, name: str, h, *context):

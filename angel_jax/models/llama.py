@@ -101,6 +101,10 @@ class LlamaConfig:
             mlp = experts * 3 * self.d_model * self.moe_ffn_dim + self.d_model * self.num_experts
         return attn + mlp
 
+    def layer_attention_flops(self, seq_len: int) -> float:
+        """One layer's attention's forward FLOPs per token: causal, half of QK^T and AV's."""
+        return 2 * seq_len * self.num_heads * self.head_dim
+
     def matmul_params(self) -> int:
         """Parameters that take part in matmuls: the layers and the LM head, not the lookup."""
         return self.num_layers * self.layer_matmul_params() + self.vocab_size * self.d_model
@@ -108,8 +112,7 @@ class LlamaConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params + causal attention (6 x L x T x N*H),
         the convention of the peer baselines (`../shared/baselines/common.py`)."""
-        attention = 6 * self.num_layers * seq_len * self.num_heads * self.head_dim
-        return 6 * self.matmul_params() + attention
+        return 6 * self.matmul_params() + 3 * self.num_layers * self.layer_attention_flops(seq_len)
 
 
 def _to_device(variables):

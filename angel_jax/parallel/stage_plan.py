@@ -97,8 +97,8 @@ class PipelinePlan:
 
 
 def layer_flops(cfg: DecoderShape, seq_len: int) -> tuple[float, float]:
-    """(weight matmuls', attention's) forward FLOPs of one layer per token (causal)."""
-    return 2 * cfg.layer_matmul_params(), 2 * seq_len * cfg.num_heads * cfg.head_dim
+    """(weight matmuls', attention's) forward FLOPs of one layer per token."""
+    return 2 * cfg.layer_matmul_params(), cfg.layer_attention_flops(seq_len)
 
 
 def layer_forward_flops(
