@@ -501,11 +501,11 @@ BREAKS = [
         "chunks beside the step counted as the update's",
         "angel_jax/offload/planner.py",
         (
-            '    "chunks beside the step",\n    "chunks in the step",\n)',
+            '    "chunks beside the step",\n    "chunks in the step",\n',
             'UPDATE_ONLY = ("update chunks",)',
         ),
         (
-            '    "chunks in the step",\n)',
+            '    "chunks in the step",\n',
             'UPDATE_ONLY = ("update chunks", "chunks beside the step")',
         ),
         [
