@@ -150,8 +150,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     for _ in range(steps):
         state, metrics = train_step(state, exp.global_batch(next(batches)))
         returned_s.append(time.perf_counter() - start)
-        # Timed steps whose speculated update was made again (config.offload.speculative_update).
-        redone.append(int(metrics.get("update_redone", 0)))
+        if "update_redone" in metrics:  # config.offload.speculative_update: made again?
+            redone.append(int(metrics["update_redone"]))
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
@@ -169,7 +169,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         loss=loss,
         warmup_losses=warmup_losses,
         step_returned_s=returned_s,
-        **({"updates_redone": redone} if exp.config.offload.speculative_update else {}),
+        **({"updates_redone": redone} if redone else {}),
         **plan,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,

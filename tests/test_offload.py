@@ -788,6 +788,17 @@ def test_delayed_update_needs_an_offloaded_update():
 IN_STEP = dict(model__scan_layers=False, offload__policy="optimizer")
 
 
+def assert_updated_alike(state, ref, check=None):
+    """`state`'s masters, optimizer state and compute copy against `ref`'s (arrays or numpy),
+    by `check`: within the update's tolerance unless given."""
+    # As the on-device update's test: Adafactor's factored moments sum in another order inside
+    # the larger program (2e-8 apart after three steps).
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+    for tree in ("params", "opt_state", "compute_params"):
+        pair = (jax.device_get(getattr(x, tree)) for x in (state, ref))
+        jax.tree.map(check or close, *pair)
+
+
 def test_unrolled_layers_share_the_streamed_updates_programs():
     """With the layers unrolled each layer's weights are other weights, yet the streamed
     update compiles as many programs for 4 layers as for 2: the groups are cut at the
@@ -833,14 +844,7 @@ def test_update_in_step_equals_the_streamed_update(kw, monkeypatch):
     assert isinstance(exp.steps, steps.InStepUpdate)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert losses[-1] < losses[0]
-    for tree in ("params", "opt_state", "compute_params"):
-        jax.tree.map(
-            # As the on-device update's test: Adafactor's factored moments sum in another
-            # order inside the larger program (2e-8 apart after three steps).
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-            jax.device_get(getattr(state, tree)),
-            jax.device_get(getattr(ref_state, tree)),
-        )
+    assert_updated_alike(state, ref_state)
 
 
 def test_update_in_step_leaves_out_an_anomalous_steps_update():
@@ -860,12 +864,7 @@ def test_update_in_step_leaves_out_an_anomalous_steps_update():
             state, metrics = exp.guarded_train_step(state, batch, ceiling)
             skipped.append(int(metrics["skipped"]))
             if len(skipped) == 1 and in_step:
-                for tree in ("params", "opt_state", "compute_params"):
-                    jax.tree.map(
-                        np.testing.assert_array_equal,
-                        jax.device_get(getattr(state, tree)),
-                        getattr(before, tree),
-                    )
+                assert_updated_alike(state, before, np.testing.assert_array_equal)
         runs.append((skipped, exp.params_numpy(state)))
     assert runs[0][0] == runs[1][0] == [1, 0, 0]
     jax.tree.map(
@@ -899,12 +898,7 @@ def test_speculative_update_in_step_equals_the_exact_one(clip, redone, guarded):
         assert not exp.streamed_update._leaving
     assert flags == redone
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    for tree in ("params", "opt_state", "compute_params"):
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-            jax.device_get(getattr(state, tree)),
-            jax.device_get(getattr(ref_state, tree)),
-        )
+    assert_updated_alike(state, ref_state)
 
 
 def test_speculative_update_in_step_keeps_an_anomalous_steps_state():
@@ -923,12 +917,7 @@ def test_speculative_update_in_step_keeps_an_anomalous_steps_state():
             state, metrics = exp.guarded_train_step(state, batch, ceiling)
             flags.append((int(metrics["skipped"]), int(metrics.get("update_redone", 0))))
             if len(flags) == 1:
-                for tree in ("params", "opt_state", "compute_params"):
-                    jax.tree.map(
-                        np.testing.assert_array_equal,
-                        jax.device_get(getattr(state, tree)),
-                        getattr(before, tree),
-                    )
+                assert_updated_alike(state, before, np.testing.assert_array_equal)
         assert flags == [(1, 0), (0, 0), (0, 0)]
         finals.append(exp.params_numpy(state))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8), *finals)

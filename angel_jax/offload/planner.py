@@ -34,6 +34,7 @@ host memory and updated by the host's cores while the device updates the rest.
 A plan that fits nowhere is refused before anything is allocated.
 """
 
+import collections
 import dataclasses
 import math
 import os
@@ -502,11 +503,12 @@ def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool, specula
         state_bytes = {**plan.state_bytes, "chunks in the step": sum(moved[:in_flight])}
         placement = {**plan.placement, "chunks in the step": DEVICE}
         if speculative:
-            state_bytes["old state kept"] = sum(
-                n for n, t in zip(sizes, tiers, strict=True) if t == HOST
-            )
-            state_bytes["old device state kept"] = plan.state_bytes["compute params"] + sum(
-                n for n, t in zip(sizes, tiers, strict=True) if t == DEVICE
+            by_tier = collections.Counter()
+            for n, t in zip(sizes, tiers, strict=True):
+                by_tier[t] += n
+            state_bytes["old state kept"] = by_tier[HOST]
+            state_bytes["old device state kept"] = (
+                plan.state_bytes["compute params"] + by_tier[DEVICE]
             )
             placement.update({"old state kept": HOST, "old device state kept": DEVICE})
         return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)

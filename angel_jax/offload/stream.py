@@ -495,10 +495,11 @@ class StreamedUpdate:
         # Stacked grads: the program picks the layer.
         indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
         weights = list(dict.fromkeys(c.weight for c in group))
+        position = {w: i for i, w in enumerate(weights)}
         key = tuple(
             (
                 self._alike[k],
-                weights.index(c.weight),
+                position[c.weight],
                 i,
                 jax.typeof(compute[c.weight]),
                 compute[c.weight].sharding,
