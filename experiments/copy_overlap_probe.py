@@ -4,6 +4,7 @@ update issues them) run beside a compute program, and does it matter in which or
 queued?
 
     python experiments/copy_overlap_probe.py [--gib 8 --chunks 32 --matmuls 120] [--out FILE]
+        [--only "in program;both"] [--copies-open 8] [--xla NAME=VALUE,...]... [--timeline FILE]
 
 Each case is timed as a whole (dispatch to last result ready), 5 times after a warm-up; a
 case overlaps if it takes about max(compute, copies) rather than their sum:
@@ -23,14 +24,15 @@ case overlaps if it takes about max(compute, copies) rather than their sum:
   in program h2d / d2h / both
                           the copies inside one jitted program (`jax.device_put` to a
                           memory space, as the update in the step issues them): does one
-                          program move both directions at once? (The update in the step's
-                          copies reached about 56 GB/s for both together. Read in XLA's
-                          source, not yet seen on a GPU: a program's copies share 4 streams
-                          whatever their direction, and each copy-start waits for the
-                          compute stream's earlier work, copy-dones included.)
+                          program move both directions at once? (H200, jax 0.11.2: no.
+                          Each alone 156 ms, both 295-303 ms, the copies one at a time over
+                          4 streams, whatever `--xla` options: README "Update inside the
+                          step", `copy_duplex_probe.json`.)
   in program both, barrier
                           the same with every source made ready at one point (an
                           optimization barrier), so that no copy's start follows another's end
+                          (in-program cases compiled with `--copies-open` copies open at most,
+                          8 as the update in the step is, and any `--xla` options)
 and the host's memory bandwidth (numpy copies on 1-16 threads), which the copies share.
 A probe for the design, not a trainer feature.
 """
@@ -38,14 +40,19 @@ A probe for the design, not a trainer feature.
 import argparse
 import concurrent.futures as futures
 import functools
+import gzip
+import json
+import pathlib
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
-from throughput import write_results
+from profile_step import timeline
+from throughput import most_copies_open, write_results
 
 
 def host_memory_rate(threads: int, gib: float = 4.0, reps: int = 3) -> float:
@@ -65,6 +72,13 @@ def host_memory_rate(threads: int, gib: float = 4.0, reps: int = 3) -> float:
     return rate
 
 
+def option(name_value: list[str]) -> tuple[str, bool | int | str]:
+    """A compiler option from the command line, typed as XLA wants it."""
+    name, value = name_value
+    typed = {"true": True, "false": False}.get(value.lower(), value)
+    return name, int(value) if value.lstrip("-").isdigit() else typed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=8.0, help="bytes copied each way")
@@ -73,6 +87,20 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="")
     parser.add_argument("--only", default="", help="';'-separated: the cases whose name has one")
+    parser.add_argument("--copies-open", type=int, default=8, help="in-program copies open")
+    parser.add_argument(
+        "--xla",
+        action="append",
+        default=[],
+        help="compiler options (name=value,...) to try on the in-program both-ways copies: "
+        "each --xla is one more case",
+    )
+    parser.add_argument(
+        "--timeline",
+        default="",
+        help="write each in-program case's traced time line (which stream each copy ran on, "
+        "and when) to this file",
+    )
     args = parser.parse_args()
 
     device = jax.devices()[0]
@@ -152,11 +180,26 @@ def main() -> int:
         "in program both": (host, ready),
         "in program both, barrier": (host, ready),
     }
-    # Asynchronous copies in each compiled program (copy-start/copy-done pairs).
-    copy_starts = {
-        name: fn.lower(*program_args[name]).compile().as_text().count(" copy-start(")
+    # XLA:GPU keeps at most this many of a program's asynchronous copies open (its default: 2).
+    options = {"xla_gpu_experimental_parallel_async_compute_limit": args.copies_open}
+    compiled = {
+        name: fn.lower(*program_args[name]).compile(compiler_options=options)
         for name, fn in programs.items()
     }
+    for tried in args.xla:  # The both-ways program under other options, e.g. stream settings.
+        more = dict(map(option, (kv.split("=", 1) for kv in tried.split(",") if kv)))
+        lowered = programs["in program both"].lower(*program_args["in program both"])
+        try:
+            compiled[f"in program both [{tried}]"] = lowered.compile({**options, **more})
+        except jax.errors.JaxRuntimeError as e:  # An option this XLA does not know.
+            print(f"--xla {tried}: {e}", flush=True)
+            continue
+        program_args[f"in program both [{tried}]"] = program_args["in program both"]
+    # Asynchronous copies in each compiled program (copy-start/copy-done pairs), and the most
+    # its schedule keeps open at once.
+    copy_starts = {name: c.as_text().count(" copy-start(") for name, c in compiled.items()}
+    copies_open = {name: most_copies_open(c.as_text()) for name, c in compiled.items()}
+    print(f"most copies open: {copies_open}", flush=True)
     print(f"copy-starts: {copy_starts}", flush=True)
 
     chained_call_s = []
@@ -175,7 +218,7 @@ def main() -> int:
         "chained": chained,
         "512 h2d then compute": lambda: many_h2d(False),
         "512 h2d, tiny program, compute": lambda: many_h2d(True),
-        **{name: functools.partial(fn, *program_args[name]) for name, fn in programs.items()},
+        **{name: functools.partial(c, *program_args[name]) for name, c in compiled.items()},
     }
     if args.only:
         cases = {k: v for k, v in cases.items() if any(p in k for p in args.only.split(";"))}
@@ -191,19 +234,33 @@ def main() -> int:
             times.append(time.perf_counter() - start)
         seconds[name] = float(np.median(times))
         print(f"{name:22s} {seconds[name] * 1e3:8.1f} ms", flush=True)
+    if args.timeline:
+        lines = []
+        for name in (k for k in cases if k.startswith("in program")):
+            with tempfile.TemporaryDirectory() as trace_dir:
+                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                    jax.block_until_ready(cases[name]())
+                trace_file = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+                trace = json.loads(gzip.decompress(trace_file.read_bytes()))
+            lines += [f"== {name}", *timeline(trace, min_host_ms=1.0)]
+        pathlib.Path(args.timeline).write_text("\n".join(lines) + "\n")
     nbytes = args.chunks * n * 4
     summary = dict(
-        host_memory_gb_per_s={t: host_memory_rate(t) for t in (1, 4, 8, 16)},
+        host_memory_gb_per_s={t: host_memory_rate(t) for t in (1, 4, 8, 16)}
+        if not args.only or "host memory" in args.only
+        else None,
         gib_each_way=nbytes / 2**30,
         chunks=args.chunks,
         # The bytes each copy case moves (both directions' for "both") over its time.
         gb_per_s={
-            k: (2 if k.endswith(("both", "barrier")) else 1) * nbytes / t / 1e9
+            k: (2 if "both" in k else 1) * nbytes / t / 1e9
             for k, t in seconds.items()
             if k in ("h2d", "d2h", "both") or k.startswith("in program")
         },
         seconds=seconds,
         in_program_copy_starts=copy_starts,
+        in_program_most_copies_open=copies_open,
+        in_program_compiler_options=options,
         # How long queueing the chained fetch took the caller (median).
         chained_fetch_call_s=float(np.median(chained_call_s)) if chained_call_s else None,
     )

@@ -323,6 +323,12 @@ def main() -> int:
         action="store_true",
         help="trace Python calls too; the timeline lists every host event of 0.5 ms or more",
     )
+    p.add_argument(
+        "--guarded",
+        action="store_true",
+        help="trace the step the loop runs by default, which skips anomalous steps "
+        "(config.monitor.on_anomaly=skip; no loss ceiling), not the unguarded one",
+    )
     p.add_argument("--out", default=str(ROOT / "experiments/results/profile_llama_1b.json"))
     p.add_argument("overrides", nargs="*", help="config overrides, after --")
     a = p.parse_args()
@@ -334,14 +340,21 @@ def main() -> int:
     from angel_jax.mesh import make_mesh
     from angel_jax.train import build
 
-    # The anomaly guard off: `build` checks the step the loop runs, here the one traced.
-    base = ["--config.data.synthetic=true", "--config.monitor.on_anomaly=log"]
+    # `build` checks the step the loop runs, here the one traced: the guarded one or not.
+    guard = "skip" if a.guarded else "log"
+    base = ["--config.data.synthetic=true", f"--config.monitor.on_anomaly={guard}"]
     config = load_config(a.config, [*base, *a.overrides])
     exp = build(config, make_mesh(config.mesh))
-    train_step = exp.train_step
+    if a.guarded:
+        train_step = lambda state, batch: exp.guarded_train_step(state, batch, float("inf"))
+    else:
+        train_step = exp.train_step
     # An offloaded step is a forward/backward program, then the streamed update's programs
     # (or one program, config.offload.update_in_step).
-    hlo_text = (exp.steps.program if exp.plan.offloads_optimizer else train_step).as_text()
+    # (The guarded device step's program is not kept: its kernels' sources go unnamed.)
+    program = exp.steps.program if exp.plan.offloads_optimizer else None
+    program = program or (None if a.guarded else exp.train_step)
+    hlo_text = program.as_text() if program else ""
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     for _ in range(a.warmup):
@@ -372,6 +385,7 @@ def main() -> int:
     tokens_per_s = t.batch_size * t.seq_len / step_s
     summary.update(
         overrides=a.overrides,
+        guarded=a.guarded,
         traced_steps=traced,
         step_s=step_s,
         tokens_per_s=tokens_per_s,
