@@ -219,9 +219,11 @@ def default_config() -> ml_collections.ConfigDict:
     # the backward pass (SuperOffload's speculation, then validation). A step that clips or
     # is anomalous is then updated again from the old state, which the step keeps until
     # its norm is read (one sync a step; host memory holds the moved chunks twice during the
-    # step, as the plan counts): metrics["update_redone"] says which. Exact either way. On
-    # one H200 (llama_1b unrolled, 32 x 2048): 1.20x the exact update in the step's speed
-    # when no step clips, 0.90x when every step does (README "Speculative update").
+    # step, as the plan counts): metrics["update_redone"] says which. A step after one that
+    # clipped runs the exact program (compiled when first needed) until a step does not
+    # clip: metrics["speculated"] says which ran. Exact either way. On one H200 (llama_1b
+    # unrolled, 32 x 2048): 1.20x the exact update in the step's speed when no step clips,
+    # 0.86x for a speculated step that clips (README "Speculative update").
     c.offload.speculative_update = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).

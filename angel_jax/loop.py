@@ -120,7 +120,8 @@ def _train_loop(
         say(
             "note: config.offload.speculative_update=true: each step's update assumes it "
             "neither clips nor is anomalous; a step that clips is updated again after it "
-            '(metrics "update_redone")'
+            '(metrics "update_redone"), and the steps after it run the exact update until one '
+            'does not clip (metrics "speculated")'
         )
     if exp.pipeline:
         say(exp.pipeline.table())

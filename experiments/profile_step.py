@@ -372,9 +372,9 @@ def main() -> int:
             traced.append(metrics)
         jax.block_until_ready((state, metrics))
         step_s = (time.perf_counter() - start) / a.steps
-    # What the traced steps did: their grad norms, and whether a speculated update was made
-    # again (config.offload.speculative_update).
-    read = ("loss", "grad_norm", "update_redone")
+    # What the traced steps did: their grad norms, and whether the update was speculated and
+    # made again (config.offload.speculative_update).
+    read = ("loss", "grad_norm", "speculated", "update_redone")
     traced = [
         {k: np.asarray(v).item() for k, v in jax.device_get(m).items() if k in read} for m in traced
     ]

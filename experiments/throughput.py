@@ -146,12 +146,13 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     start = time.perf_counter()
     # When each step's call returned (host time, device work not waited for): a step that
     # stalls the host (a pinned-pool growth, a blocked dispatch) stands out among them.
-    returned_s, redone = [], []
+    returned_s, redone, speculated = [], [], []
     for _ in range(steps):
         state, metrics = train_step(state, exp.global_batch(next(batches)))
         returned_s.append(time.perf_counter() - start)
         if "update_redone" in metrics:  # config.offload.speculative_update: made again?
             redone.append(int(metrics["update_redone"]))
+            speculated.append(int(metrics["speculated"]))
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
@@ -169,7 +170,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         loss=loss,
         warmup_losses=warmup_losses,
         step_returned_s=returned_s,
-        **({"updates_redone": redone} if redone else {}),
+        **({"updates_redone": redone, "steps_speculated": speculated} if redone else {}),
         **plan,
         peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
         batch=t.batch_size,

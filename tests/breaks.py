@@ -91,6 +91,20 @@ BREAKS = [
         ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
+        "a step after a redone one speculates again",
+        "angel_jax/steps.py",
+        "            clipped = not skipped  #",
+        "            clipped = False  #",
+        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+    ),
+    (
+        "the exact program never hands back to speculation",
+        "angel_jax/steps.py",
+        '                clipped = bool(jax.device_get(metrics["grad_norm"]) > clip)',
+        "                clipped = True",
+        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+    ),
+    (
         "a skipped speculated step is updated again",
         "angel_jax/steps.py",
         "            if skipped:\n                return state.replace(step=step), metrics",

@@ -878,25 +878,37 @@ SPECULATING = dict(IN_STEP, offload__update_in_step=True, offload__speculative_u
 
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["train_step", "guarded"])
-@pytest.mark.parametrize("clip, redone", [(1e-3, [1, 1, 1]), (1e6, [0, 0, 0])])
-def test_speculative_update_in_step_equals_the_exact_one(clip, redone, guarded):
-    """config.offload.speculative_update: a step that clips (every step at a clip of 1e-3) is
-    updated again from the old state, one that does not keeps its speculated update; either
-    way losses and state equal the update in the step that waits for the norm. Guarded (the
-    loop's default step), with no step anomalous, alike."""
+@pytest.mark.parametrize(
+    "clip, speculated, redone",
+    [
+        # Every step clips at 1e-3: the first is speculated and redone, the rest exact.
+        (1e-3, [1, 0, 0, 0], [1, 0, 0, 0]),
+        # The norms (about 16, 14.5, 3.8, 2.0) pass 10 twice: the first step is redone, the
+        # second (exact) clips too, the third (exact) does not, so the fourth speculates.
+        (10.0, [1, 0, 0, 1], [1, 0, 0, 0]),
+        (1e6, [1, 1, 1, 1], [0, 0, 0, 0]),  # None clips.
+    ],
+)
+def test_speculative_update_in_step_equals_the_exact_one(clip, speculated, redone, guarded):
+    """config.offload.speculative_update: a speculated step that clips is updated again from
+    the old state, one that does not keeps its speculated update, and a step after one that
+    clipped runs the exact program; either way losses and state equal the update in the step
+    that waits for the norm. Guarded (the loop's default step), with no step anomalous,
+    alike."""
     kw = dict(zero_stage=1, mesh__data=8, offload__chunks_in_flight=3, train__grad_clip=clip)
-    _, ref_state, ref_losses = train(small_config(**IN_STEP, offload__update_in_step=True, **kw))
+    config = small_config(**IN_STEP, offload__update_in_step=True, **kw)
+    _, ref_state, ref_losses = train(config, steps=4)
     config = small_config(**SPECULATING, **kw)
     exp = build(config, make_mesh(config.mesh))
     state, losses, flags = exp.init_state(), [], []
     step = functools.partial(exp.guarded_train_step, ceiling=np.inf) if guarded else exp.train_step
-    for rows in make_batches(config)[:3]:
+    for rows in make_batches(config)[:4]:
         state, metrics = step(state, exp.global_batch(rows))
         losses.append(float(metrics["loss"]))
-        flags.append(int(metrics["update_redone"]))
+        flags.append((int(metrics["speculated"]), int(metrics["update_redone"])))
         # A redo leaves nothing on its way home: no later step would send it off.
         assert not exp.streamed_update._leaving
-    assert flags == redone
+    assert flags == list(zip(speculated, redone, strict=True))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_updated_alike(state, ref_state)
 
@@ -945,7 +957,9 @@ def test_speculative_update_in_step_never_waits_for_the_norm(speculative):
     exp = build(config, make_mesh(config.mesh))
     ceiling = jax.ShapeDtypeStruct((), np.float32)
     with sharding.use_rules(exp.mesh, exp.rules):
-        closed = jax.make_jaxpr(exp.steps.update, return_shape=True)(
+        # The step's program as the trainer compiles it (`InStepUpdate._lowered`).
+        update = functools.partial(exp.steps.update, speculate=exp.steps.speculative)
+        closed = jax.make_jaxpr(update, return_shape=True)(
             exp.abstract_state, exp.steps.abstract_batch(), ceiling
         )
     (jaxpr, shapes), args = closed, (exp.abstract_state, exp.steps.abstract_batch(), ceiling)
