@@ -220,10 +220,11 @@ def default_config() -> ml_collections.ConfigDict:
     # is anomalous is then updated again from the old state, which the step keeps until
     # its norm is read (one sync a step; host memory holds the moved chunks twice during the
     # step, as the plan counts): metrics["update_redone"] says which. A step after one that
-    # clipped runs the exact program (compiled when first needed) until a step does not
-    # clip: metrics["speculated"] says which ran. Exact either way. On one H200 (llama_1b
-    # unrolled, 32 x 2048): 1.20x the exact update in the step's speed when no step clips,
-    # 0.86x for a speculated step that clips (README "Speculative update").
+    # clipped runs the exact program (compiled beside the speculating one) until a step does
+    # not clip: metrics["speculated"] says which ran. Exact either way. On one H200
+    # (llama_1b unrolled, 32 x 2048): 1.20x the exact update in the step's speed when no
+    # step clips, 0.87x for a speculated step that clips, the exact step's speed after it
+    # (README "Speculative update").
     c.offload.speculative_update = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).

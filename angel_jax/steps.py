@@ -122,7 +122,8 @@ class DeviceStep(_Step):
         return self.compile(self._jitted, self.exp.abstract_state, self.abstract_batch())
 
     @functools.cached_property
-    def guarded_train_step(self):
+    def guarded_program(self) -> jax.stages.Compiled:
+        """`guarded_train_step`'s compiled program: (state, batch, ceiling array)."""
         exp = self.exp
         jitted = jax.jit(
             skip_if_anomalous(self.update),
@@ -131,7 +132,11 @@ class DeviceStep(_Step):
             donate_argnums=0,
         )
         ceiling = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-        compiled = self.compile(jitted, exp.abstract_state, self.abstract_batch(), ceiling)
+        return self.compile(jitted, exp.abstract_state, self.abstract_batch(), ceiling)
+
+    @functools.cached_property
+    def guarded_train_step(self):
+        compiled = self.guarded_program
         return lambda state, batch, ceiling: compiled(state, batch, self.ceiling_array(ceiling))
 
 
@@ -406,6 +411,40 @@ class InStepUpdate(_Offloaded):
     def program_compiled(self) -> jax.stages.Compiled:
         return self.program_lowered.compile(compiler_options=COPIES_IN_FLIGHT)
 
+    @property
+    def runs_exact_steps(self) -> bool:
+        """Whether a speculating step may be followed by exact ones (`_validated`): when it
+        can clip."""
+        return self.speculative and self.exp.config.train.grad_clip > 0
+
+    @functools.cached_property
+    def exact_lowered(self) -> jax.stages.Lowered:
+        """The exact step that follows a clipped speculating one (`_validated`)."""
+        return self._lowered(self.guarded, speculate=False)
+
+    @functools.cached_property
+    def exact_compiled(self) -> jax.stages.Compiled:
+        return self.exact_lowered.compile(compiler_options=COPIES_IN_FLIGHT)
+
+    @functools.cached_property
+    def program(self) -> jax.stages.Compiled:
+        """The step's program, checked; with exact steps to follow a clipped speculating one,
+        their program is compiled and checked with it (in `build`, before anything is
+        allocated), and the larger excess over the plan's estimate stands."""
+        compiled = self.checked(self.program_compiled)
+        if self.runs_exact_steps:
+            speculating = self.beyond_estimate
+            self.checked(self.exact_compiled)
+            self.beyond_estimate = max(speculating, self.beyond_estimate)
+        return compiled
+
+    def reuse_program(self, other: "_Offloaded") -> bool:
+        if not super().reuse_program(other):
+            return False
+        if self.runs_exact_steps and self.exact_lowered.as_text() == other.exact_lowered.as_text():
+            self.exact_compiled = other.exact_compiled
+        return True
+
     def lowered(self) -> jax.stages.Lowered:
         return self._lowered(False)
 
@@ -419,8 +458,10 @@ class InStepUpdate(_Offloaded):
         if not self.speculative:
             return compiled
 
-        @functools.cache  # Compiled when a step first clips.
+        @functools.cache  # The loop's own form was compiled with `program`.
         def exact():
+            if guarded == self.guarded:
+                return self.exact_compiled
             lowered = self._lowered(guarded, speculate=False)
             return self.checked(lowered.compile(compiler_options=COPIES_IN_FLIGHT))
 
@@ -432,20 +473,21 @@ class InStepUpdate(_Offloaded):
         clipped grads (the streamed update, after the step); when it was anomalous, the old
         state stays. metrics["update_redone"] is 1 for a step updated again.
 
-        A step after one that clipped runs the exact program instead (`exact()`, compiled
-        when first needed), which waits for the norm but pays no redo (on one H200, 1.266 s a
-        step against 1.471 for a speculated step redone: README "Speculative update"), until a
-        step does not clip: norms change little from one step to the next.
+        A step after one that clipped runs the exact program instead (`exact()`), which waits
+        for the norm but pays no redo (on one H200 at clip 1.0, 1.285 s a step, where a
+        speculated step redone took 1.471 s in another job: README "Speculative update"),
+        until a step does not clip: norms change little from one step to the next.
         metrics["speculated"] says which program ran."""
         exp = self.exp
-        clip = exp.config.train.grad_clip
+        clip = np.float32(exp.config.train.grad_clip)  # As the step compares its norm.
         clipped = False  # Whether the last step clipped: the next runs `exact`.
 
         def run(state, batch, *ceiling):
             nonlocal clipped
             if clipped:
                 new, metrics = exact()(state, batch, *ceiling)
-                clipped = bool(jax.device_get(metrics["grad_norm"]) > clip)
+                norm, skipped = jax.device_get((metrics["grad_norm"], metrics.get("skipped", 0)))
+                clipped = bool(norm > clip and not skipped)
                 metrics.update(speculated=np.int32(0), update_redone=np.int32(0))
                 return new, metrics
             new, metrics, (grads, scale, held) = compiled(state, batch, *ceiling)

@@ -25,9 +25,9 @@ case overlaps if it takes about max(compute, copies) rather than their sum:
                           the copies inside one jitted program (`jax.device_put` to a
                           memory space, as the update in the step issues them): does one
                           program move both directions at once? (H200, jax 0.11.2: no.
-                          Each alone 156 ms, both 295-303 ms, the copies one at a time over
-                          4 streams, whatever `--xla` options: README "Update inside the
-                          step", `copy_duplex_probe.json`.)
+                          Each alone 156 ms, both 295-308 ms (276 with 32 copies open), the
+                          copies one at a time over 4 streams, whatever `--xla` options:
+                          README "Update inside the step", `copy_duplex_probe.json`.)
   in program both, barrier
                           the same with every source made ready at one point (an
                           optimization barrier), so that no copy's start follows another's end
@@ -74,6 +74,8 @@ def host_memory_rate(threads: int, gib: float = 4.0, reps: int = 3) -> float:
 
 def option(name_value: list[str]) -> tuple[str, bool | int | str]:
     """A compiler option from the command line, typed as XLA wants it."""
+    if len(name_value) != 2:
+        raise SystemExit(f"--xla {name_value[0]}: give NAME=VALUE")
     name, value = name_value
     typed = {"true": True, "false": False}.get(value.lower(), value)
     return name, int(value) if value.lstrip("-").isdigit() else typed

@@ -351,10 +351,10 @@ def main() -> int:
         train_step = exp.train_step
     # An offloaded step is a forward/backward program, then the streamed update's programs
     # (or one program, config.offload.update_in_step).
-    # (The guarded device step's program is not kept: its kernels' sources go unnamed.)
-    program = exp.steps.program if exp.plan.offloads_optimizer else None
-    program = program or (None if a.guarded else exp.train_step)
-    hlo_text = program.as_text() if program else ""
+    if exp.plan.offloads_optimizer:
+        program = exp.steps.program
+    else:
+        program = exp.steps.guarded_program if a.guarded else exp.train_step
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     for _ in range(a.warmup):
@@ -378,6 +378,9 @@ def main() -> int:
     traced = [
         {k: np.asarray(v).item() for k, v in jax.device_get(m).items() if k in read} for m in traced
     ]
+    if traced and all(t.get("speculated") == 0 for t in traced):
+        program = exp.steps.exact_compiled  # Each traced step followed a clipped one.
+    hlo_text = program.as_text()
     trace_file = next(trace_dir.rglob("perfetto_trace.json.gz"))
     with gzip.open(trace_file) as f:
         summary = summarize(json.load(f), a.steps, hlo_text, a.top)

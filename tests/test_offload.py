@@ -1006,6 +1006,17 @@ def test_speculative_update_in_step_keeps_resident_chunks_twice_in_an_auto_plan(
     assert b["old device state kept"] == b["compute params"] + b["resident chunks"]
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_speculative_update_compiles_its_exact_steps_before_anything_is_allocated(clip):
+    """With clipping on, the exact program that follows a clipped speculating step is
+    compiled and checked against the plan in `build`, with the speculating one, not at the
+    first clipped step, when the state fills the device; without clipping it never runs."""
+    config = small_config(**SPECULATING, train__grad_clip=clip, monitor__on_anomaly="skip")
+    exp = build(config, make_mesh(config.mesh))
+    assert exp.steps.checks_compiled
+    assert ("exact_compiled" in vars(exp.steps)) == (clip > 0)
+
+
 def test_speculative_update_needs_the_update_in_step_and_something_to_speculate_past():
     config = small_config(**IN_STEP, offload__speculative_update=True)
     with pytest.raises(ConfigError, match="update_in_step=true too"):
