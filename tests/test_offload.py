@@ -1118,20 +1118,28 @@ def test_update_in_step_names_what_it_needs(kw, needs):
 
 
 @gpu
-def test_update_in_step_copies_are_asynchronous_on_gpu():
+@pytest.mark.parametrize("speculative", [False, True], ids=["exact", "speculative"])
+def test_update_in_step_copies_are_asynchronous_on_gpu(speculative):
     """On a GPU the step's host copies compile to copy-start/copy-done pairs that XLA's
-    scheduler can run beside the compute (a scanned layer's would be synchronous)."""
+    scheduler can run beside the compute (a scanned layer's would be synchronous); speculating
+    (clipping on), in both the speculating program and the exact one that follows a clipped
+    step, each compiled and checked against the plan in `build`."""
     config = small_config(**IN_STEP, offload__update_in_step=True, mesh__data=1)
+    config.offload.speculative_update = speculative
     exp = build(config, make_mesh(config.mesh))
-    text = exp.steps.program.as_text()
-    # Each moved leaf down and home: master and both AdamW moments of every chunk.
-    moved = 3 * len(exp.streamed_update.chunks)
-    assert text.count(" copy-start(") == text.count(" copy-done(") >= 2 * moved
-    # More than XLA's default 2 open at once (steps.COPIES_IN_FLIGHT).
+    programs = [exp.steps.program]
+    if speculative:
+        assert "exact_compiled" in vars(exp.steps)
+        programs.append(exp.steps.exact_compiled)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
     from throughput import most_copies_open
 
-    assert most_copies_open(text) > 2, most_copies_open(text)
+    for text in (p.as_text() for p in programs):
+        # Each moved leaf down and home: master and both AdamW moments of every chunk.
+        moved = 3 * len(exp.streamed_update.chunks)
+        assert text.count(" copy-start(") == text.count(" copy-done(") >= 2 * moved
+        # More than XLA's default 2 open at once (steps.COPIES_IN_FLIGHT).
+        assert most_copies_open(text) > 2, most_copies_open(text)
 
 
 @pytest.mark.parametrize(
