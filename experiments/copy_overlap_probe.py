@@ -188,11 +188,11 @@ def main() -> int:
         name: fn.lower(*program_args[name]).compile(compiler_options=options)
         for name, fn in programs.items()
     }
+    both = programs["in program both"].lower(*program_args["in program both"])
     for tried in args.xla:  # The both-ways program under other options, e.g. stream settings.
         more = dict(map(option, (kv.split("=", 1) for kv in tried.split(",") if kv)))
-        lowered = programs["in program both"].lower(*program_args["in program both"])
         try:
-            compiled[f"in program both [{tried}]"] = lowered.compile({**options, **more})
+            compiled[f"in program both [{tried}]"] = both.compile({**options, **more})
         except jax.errors.JaxRuntimeError as e:  # An option this XLA does not know.
             print(f"--xla {tried}: {e}", flush=True)
             continue
