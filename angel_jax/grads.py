@@ -27,25 +27,52 @@ class Gradients:
         (stacked, or one array per layer when accumulated)."""
         if self.exp.pipeline:
             return self._pipeline(params, batch_BT1)
-        grad_fn = jax.value_and_grad(self.exp.loss, has_aux=True)
         micro = self.exp.config.train.microbatches
         if micro == 1:
-            (_, metrics), grads = grad_fn(params, batch_BT1)
+            (_, metrics), grads = self._grad_fn(params, batch_BT1)
             return metrics, self.constrain(grads)
-        # Microbatch j takes rows j, j + micro, ...: each device keeps its own rows.
+        add = lambda acc, mb: (self._add_microbatch(params, mb, acc), None)
+        micro_MBT = self.microbatches(batch_BT1)
+        (metrics, grads), _ = jax.lax.scan(add, self.zero_sums(params, micro_MBT[0]), micro_MBT)
+        return self.mean_metrics(metrics), grads
+
+    @property
+    def _grad_fn(self):
+        return jax.value_and_grad(self.exp.loss, has_aux=True)
+
+    def microbatches(self, batch_BT1: jax.Array) -> jax.Array:
+        """The batch as [microbatches, rows / microbatches, length]: microbatch j takes rows j,
+        j + microbatches, ... (each device keeps its own rows)."""
+        micro = self.exp.config.train.microbatches
         rows, length = batch_BT1.shape
-        micro_MBT = batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
+        return batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
 
-        def accumulate(acc, mb):
-            (_, metrics), grads = grad_fn(params, mb)
-            acc_metrics, acc_grads = acc
-            grads = self._accumulate(acc_grads, self.constrain(grads), 1.0 / micro)
-            return (jax.tree.map(jnp.add, acc_metrics, metrics), grads), None
+    def zero_sums(self, params, mb):
+        """(metrics, grads) sums before the first microbatch (`params` and `mb`, a microbatch,
+        as arrays or shapes): zeros, the grads in float32."""
+        shapes = jax.eval_shape(lambda p, b: self.exp.loss(p, b)[1], params, mb)
+        return jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes), self._zeros()
 
-        shapes = jax.eval_shape(lambda: self.exp.loss(params, micro_MBT[0])[1])
-        metrics0 = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes)
-        (metrics, grads), _ = jax.lax.scan(accumulate, (metrics0, self._zeros()), micro_MBT)
-        return jax.tree.map(lambda m: m / micro, metrics), grads
+    def _add_microbatch(self, params, mb, sums):
+        """`sums` (metrics, float32 grads) with microbatch `mb`'s, its grads over the number
+        of microbatches."""
+        (_, metrics), grads = self._grad_fn(params, mb)
+        acc_metrics, acc_grads = sums
+        grads = self._accumulate(
+            acc_grads, self.constrain(grads), 1.0 / self.exp.config.train.microbatches
+        )
+        return jax.tree.map(jnp.add, acc_metrics, metrics), grads
+
+    def add_microbatch(self, params, batch_BT1: jax.Array, j: jax.Array, sums):
+        """`sums` with microbatch j's of the batch (as `microbatches` splits it): the body of
+        `loss_and_grads`' loop as a program of its own, for a step dispatched a microbatch at
+        a time (`steps.OffloadedStep`)."""
+        mb = jax.lax.dynamic_index_in_dim(self.microbatches(batch_BT1), j, keepdims=False)
+        return self._add_microbatch(params, mb, sums)
+
+    def mean_metrics(self, metrics):
+        """Summed microbatch metrics as the batch's means."""
+        return jax.tree.map(lambda m: m / self.exp.config.train.microbatches, metrics)
 
     def _pipeline(self, params, batch_BT1: jax.Array):
         """`loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
@@ -132,7 +159,7 @@ class Gradients:
         (the mesh has no other split axis), averaged through PowerSGD's low-rank factors
         instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early grads
         are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
-        grad_fn = jax.value_and_grad(self.exp.loss, has_aux=True)
+        grad_fn = self._grad_fn
         start = self.exp.config.train.powersgd_start_step
 
         def per_replica(step, params, comm, batch):

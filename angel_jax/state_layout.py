@@ -174,6 +174,7 @@ def make_state_layout(
             # Beside the in-step update it only redoes a speculated one (steps.InStepUpdate),
             # after which nothing may stay on its way home: no step after it sends it off.
             beside_step=plan.copies_beside_step and not config.offload.update_in_step,
+            slot_bytes=plan.slot_bytes,
         )
     powersgd = abstract_comm = comm_sharding = None
     if config.train.powersgd_rank:

@@ -23,7 +23,7 @@ from angel_jax.config import ConfigError
 from angel_jax.data.objectives import row_width
 from angel_jax.monitor import is_anomalous, skip_if_anomalous
 from angel_jax.offload.planner import check_compiled
-from angel_jax.offload.stream import global_norm, update_in_step
+from angel_jax.offload.stream import global_norm, layer_index, update_in_step
 from angel_jax.optim import learning_rate_schedule
 from angel_jax.state_layout import TrainState
 
@@ -186,6 +186,13 @@ class OffloadedStep(_Offloaded):
     forward/backward is dispatched (queued behind it); `settle` finishes a waiting update
     (before a checkpoint).
 
+    With microbatches the plan may run the waiting update between step t+1's microbatches
+    instead (`Plan.update_between_microbatches`): the forward/backward is then one program a
+    microbatch, and the update's groups are dispatched between them (`StreamedUpdate.slots`),
+    so that their copies each way and their kernels run beside the microbatches'. The update
+    writes the new compute copy into new arrays, which the step's microbatches do not read:
+    step t+1 computes on the weights without step t's update, as the delay asks.
+
     Either way the update's first chunks are fetched (`StreamedUpdate.prefetch`) before the
     forward/backward is dispatched, so their copies run beside it."""
 
@@ -193,6 +200,7 @@ class OffloadedStep(_Offloaded):
         super().__init__(exp)
         # pending: (grads, clipping scale, the host's share as started).
         self.delayed = exp.config.offload.delayed_update
+        self.between_microbatches = self.delayed and exp.plan.update_between_microbatches
 
     def settle(self, state: TrainState, fetched=None) -> TrainState:
         if self.pending is None:
@@ -229,30 +237,166 @@ class OffloadedStep(_Offloaded):
         """(step + 1, grads, their clipping scale, metrics). The compute copy gives the same
         grads as the masters would (the model casts them to the compute dtype either way), in
         the compute dtype."""
+        metrics, grads = self.exp.grads.loss_and_grads(compute_params, batch_BT1)
+        return self._finish(step, metrics, grads)
+
+    def _finish(self, step: jax.Array, metrics, grads):
+        """`_grad_step`'s result from the batch's metrics and grads."""
         exp = self.exp
-        metrics, grads = exp.grads.loss_and_grads(compute_params, batch_BT1)
         norm = global_norm(grads, exp.stacked, exp.config.offload.chunks_in_flight)
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(step))
         return step + 1, grads, exp.optimizer.clip_scale(norm), metrics
 
+    # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
+    _out_shardings = property(
+        lambda self: (self.replicated, None, self.replicated, self.replicated)
+    )
+
     @functools.cached_property
     def program_lowered(self) -> jax.stages.Lowered:
+        """The forward/backward, or with the update between microbatches one microbatch's."""
         exp, replicated = self.exp, self.replicated
-        step = jax.jit(
-            self._grad_step,
-            in_shardings=(replicated, exp.state_sharding.compute_params, exp.batch_sharding),
-            # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
-            out_shardings=(replicated, None, replicated, replicated),
-        )
         state = exp.abstract_state
+        if self.between_microbatches:
+            j = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            args = (state.compute_params, self.abstract_batch(), j, self._sums_shapes)
+            jitted = self._microbatch_jitted
+        else:
+            args = (state.step, state.compute_params, self.abstract_batch())
+            jitted = jax.jit(
+                self._grad_step,
+                in_shardings=(replicated, exp.state_sharding.compute_params, exp.batch_sharding),
+                out_shardings=self._out_shardings,
+            )
         with sharding.use_rules(exp.mesh, exp.rules):
-            return step.lower(state.step, state.compute_params, self.abstract_batch())
+            return jitted.lower(*args)
+
+    @functools.cached_property
+    def program(self) -> jax.stages.Compiled:
+        """`_Offloaded.program`; with the update between microbatches also the program that
+        ends the step (the grad norm), compiled and checked against the plan too: its
+        temporaries take the microbatch's place."""
+        program = self.checked(self.program_compiled)
+        if self.between_microbatches:
+            _ = self._finish_compiled
+        return program
 
     @functools.cached_property
     def grad_step(self):
-        """Compiled: (step, compute params, batch) -> (step + 1, grads, clipping scale,
-        metrics): the offloaded step's `program`."""
-        return self.program
+        """(step, compute params, batch) -> (step + 1, grads, clipping scale, metrics): the
+        offloaded step's `program`, or with the update between microbatches a program a
+        microbatch (`_microbatched`)."""
+        return self._microbatched if self.between_microbatches else self.program
+
+    # A step a microbatch at a time (the update between microbatches).
+
+    @functools.cached_property
+    def _sums_sharding(self):
+        """The microbatch sums' (metrics, float32 grads) shardings."""
+        return (self.replicated, self.exp.grad_sharding)
+
+    @functools.cached_property
+    def _sums_shapes(self):
+        exp = self.exp
+        t = exp.config.train
+        mb = jax.ShapeDtypeStruct(
+            (t.batch_size // t.microbatches, row_width(exp.config)), jnp.int32
+        )
+        with sharding.use_rules(exp.mesh, exp.rules):
+            shapes = jax.eval_shape(exp.grads.zero_sums, exp.abstract_state.compute_params, mb)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            shapes,
+            jax.tree.broadcast(self._sums_sharding, shapes),
+        )
+
+    @functools.cached_property
+    def _microbatch_jitted(self):
+        """(compute params, batch, j, sums) -> sums with microbatch j's (donated)."""
+        exp = self.exp
+        return jax.jit(
+            exp.grads.add_microbatch,
+            in_shardings=(
+                exp.state_sharding.compute_params,
+                exp.batch_sharding,
+                self.replicated,
+                self._sums_sharding,
+            ),
+            out_shardings=self._sums_sharding,
+            donate_argnums=3,
+        )
+
+    @functools.cached_property
+    def _zero_sums(self):
+        def zero_sums():  # Named: a profile or an error names the program by it.
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._sums_shapes)
+
+        return jax.jit(zero_sums, out_shardings=self._sums_sharding)
+
+    @functools.cached_property
+    def _finish_jitted(self):
+        """(step, sums) -> `_grad_step`'s result but the grads (the sums' own, not passed
+        through: a program's output that only aliases its input is one more way to copy it)."""
+
+        def finish(step, sums):
+            metrics, grads = sums
+            step, _, scale, metrics = self._finish(
+                step, self.exp.grads.mean_metrics(metrics), grads
+            )
+            return step, scale, metrics
+
+        sharded = self.replicated
+        return jax.jit(
+            finish, in_shardings=(sharded, self._sums_sharding), out_shardings=(sharded,) * 3
+        )
+
+    @functools.cached_property
+    def _finish_compiled(self) -> jax.stages.Compiled:
+        exp = self.exp
+        with sharding.use_rules(exp.mesh, exp.rules):
+            lowered = self._finish_jitted.lower(exp.abstract_state.step, self._sums_shapes)
+        compiled = lowered.compile()
+        if self.checks_compiled:  # Raises CompiledTooLarge; its excess is not the step's.
+            check_compiled(exp.plan, compiled.memory_analysis())
+        return compiled
+
+    def _microbatched(self, step, compute_params, batch_BT1, between=lambda j: None):
+        """`_grad_step` dispatched a program a microbatch, `between(j)` called after
+        microbatch j's."""
+        microbatch = self.program  # Checked against the plan.
+        sums = self._zero_sums()
+        for j in range(self.exp.config.train.microbatches):
+            sums = microbatch(compute_params, batch_BT1, layer_index(self.exp.mesh, j), sums)
+            between(j)
+        step, scale, metrics = self._finish_compiled(step, sums)
+        return step, sums[1], scale, metrics
+
+    def _beside_microbatches(self, state: TrainState, batch_BT1, fetched):
+        """`grad_step` on `batch_BT1` with the waiting update dispatched between its
+        microbatches: (step + 1, grads, clipping scale, metrics, the updated state)."""
+        (grads, scale, on_cpu), self.pending = self.pending, None
+        update = self.exp.streamed_update
+        stages = update.stages(
+            # The grads' only reference: a weight's go after its last group.
+            self._flat(grads),
+            scale,
+            *(self._flat(t) for t in (state.params, state.opt_state, state.compute_params)),
+            on_cpu=on_cpu,
+            fetched=fetched,
+            into_new=True,
+        )
+        del grads
+        next(stages)  # The first groups on their way, before the first microbatch.
+        slots = update.slots(self.exp.config.train.microbatches - 1)
+
+        def between(j):  # The last microbatch's copies have nothing to run beside.
+            for _ in range(slots[j] if j < len(slots) else 0):
+                next(stages)
+
+        out = self._microbatched(state.step, state.compute_params, batch_BT1, between)
+        new = update.run_out(stages)
+        treedef = jax.tree.structure(self.exp.stacked)
+        return *out, TrainState(state.step, *(treedef.unflatten(t) for t in new))
 
     def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
         """The offloaded state after its streamed update with `grads` (`state` is donated;
@@ -267,28 +411,35 @@ class OffloadedStep(_Offloaded):
 
     @functools.cached_property
     def train_step(self):
-        exp, grad_step = self.exp, self.grad_step
+        exp = self.exp
+        _ = self.program  # Compiled and checked now, before the state is allocated.
 
         def run(state, batch):
             with sharding.use_rules(exp.mesh, exp.rules):
                 fetched = self._prefetch(state)
-                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
-                # Delayed: the last step's update, queued behind this one's compute.
-                state = self.settle(state, fetched)
+                step, grads, scale, metrics, state = self._grad_step_settled(state, batch, fetched)
                 return self._update(state, step, grads, scale, fetched), metrics
 
         return run
 
+    def _grad_step_settled(self, state: TrainState, batch_BT1, fetched):
+        """`grad_step`'s result and the state with a waiting (delayed) update applied: queued
+        behind this step's compute, or between its microbatches."""
+        if self.pending is not None and self.between_microbatches:
+            return self._beside_microbatches(state, batch_BT1, fetched)
+        out = self.grad_step(state.step, state.compute_params, batch_BT1)
+        return *out, self.settle(state, fetched)
+
     @functools.cached_property
     def guarded_train_step(self):
-        exp, grad_step = self.exp, self.grad_step
+        exp = self.exp
+        _ = self.program  # Compiled and checked now, before the state is allocated.
 
         def run(state, batch, ceiling):
             with sharding.use_rules(exp.mesh, exp.rules):
                 fetched = self._prefetch(state)
-                step, grads, scale, metrics = grad_step(state.step, state.compute_params, batch)
                 # Delayed: the last step's update, before this one's loss is read.
-                state = self.settle(state, fetched)
+                step, grads, scale, metrics, state = self._grad_step_settled(state, batch, fetched)
                 loss, norm = (
                     float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"]))
                 )

@@ -130,6 +130,12 @@ VARIANTS = [
         [*MICRO_4, *DEVICE_UPDATE, *ALL_IN_FLIGHT],
         None,
     ),
+    (  # Stale by one step: the update runs between the next step's microbatches.
+        "llama_1b/32x2048 optimizer, delayed, device update",
+        "llama_1b",
+        [*MICRO_4, *DEVICE_UPDATE, *DELAYED],
+        None,
+    ),
     ("llama_1b/32x2048/unrolled/noclip none", "llama_1b", [*NO_CLIP, *BATCH_32], None),
     (
         "llama_1b/32x2048/unrolled/noclip optimizer, streamed, 8 in flight",
@@ -246,6 +252,18 @@ VARIANTS = [
         ],
         0,
     ),
+    (  # Stale by one step: the update runs between the next step's microbatches, timed.
+        "llama3_8b auto, 16 x 8192 in 16 microbatches, delayed, device update",
+        "llama3_8b",
+        [
+            *AUTO,
+            "--config.offload.cpu_update=0",
+            *TOKENS_128K,
+            "--config.train.microbatches=16",
+            *DELAYED,
+        ],
+        None,
+    ),
     (
         "llama3_8b auto, 16 x 8192 in 16 microbatches, host 30%",
         "llama3_8b",
@@ -313,7 +331,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
     p.add_argument(
-        "--only", default="", help="';'-separated: run the variants whose name contains one"
+        "--only",
+        default="",
+        help="';'-separated: run the variants whose name contains one (or is one, after '=')",
     )
     p.add_argument(
         "--baselines", help="directory of the peer baselines: runs hf_deepspeed_offload.py too"
@@ -327,7 +347,8 @@ def main() -> int:
     print("host<->device copies:", json.dumps(rates), flush=True)
     results = [{**rates, "system": "copy rates"}]
     for name, config, overrides, steps in VARIANTS:
-        if args.only and not any(part in name for part in args.only.split(";")):
+        parts = args.only.split(";")
+        if args.only and not any(name == p[1:] if p[:1] == "=" else p in name for p in parts):
             continue
         config_path = str(ROOT / "configs" / f"{config}.py")
         # Every variant times steps after --warmup ones: the pinned-host pool grows (cuMemHostAlloc,

@@ -482,6 +482,63 @@ BREAKS = [
         ],
     ),
     (
+        "the update between microbatches writes the weights the later ones read",
+        "angel_jax/steps.py",
+        "            into_new=True,\n",
+        "            into_new=False,\n",
+        [
+            "tests/test_offload.py::test_delayed_update_applies_each_steps_grads_a_step_late"
+            "[False-kw2]"
+        ],
+    ),
+    (
+        "the waiting update runs after the step's microbatches, not between them",
+        "angel_jax/steps.py",
+        "            for _ in range(slots[j] if j < len(slots) else 0):\n",
+        "            for _ in range(0):\n",
+        ["tests/test_offload.py::test_delayed_update_runs_between_the_next_steps_microbatches"],
+    ),
+    (
+        "the plan leaves out the update's new compute copy beside the microbatches",
+        "angel_jax/offload/planner.py",
+        'out["new compute params"] = _new_compute_bytes(',
+        'out["new compute params"] = 0 * _new_compute_bytes(',
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_plans_its_chunks_and_new_compute_copy"
+        ],
+    ),
+    (
+        "build keeps the update after the step when the compiled step gives room back",
+        "angel_jax/train.py",
+        "    between = again.plan.update_between_microbatches and not",
+        "    between = False and again.plan.update_between_microbatches and not",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_taken_once_the_compiled_step_gives_room"
+        ],
+    ),
+    (
+        "the step's last program between microbatches is not checked in build",
+        "angel_jax/steps.py",
+        "            _ = self._finish_compiled\n",
+        "            pass\n",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_taken_once_the_compiled_step_gives_room"
+        ],
+    ),
+    (
+        "a slot's group keeps its old host copies until its update has run",
+        "angel_jax/offload/stream.py",
+        "                if self.slot_bytes and old:\n",
+        "                if False:\n",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones"
+        ],
+    ),
+    (
         "the host's cores leave their chunks as they were",
         "angel_jax/offload/cpu.py",
         "        self._values[c.key] = (master, state)\n",

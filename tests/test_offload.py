@@ -678,6 +678,9 @@ DELAYED = dict(zero_stage=1, mesh__data=8, offload__policy="optimizer", offload_
     [
         (False, DELAYED),
         (True, DELAYED),
+        # The update between the next step's microbatches.
+        (False, dict(DELAYED, microbatches=4, train__batch_size=32)),
+        (True, dict(DELAYED, microbatches=4, train__batch_size=32)),
         (
             False,
             dict(
@@ -694,10 +697,13 @@ def test_delayed_update_applies_each_steps_grads_a_step_late(guarded, kw):
     """config.offload.delayed_update: step t+1 computes on the weights without step t's update,
     which runs while it computes (ZeRO-Offload's DPU), on the host's cores for half the host
     chunks and on the device for the rest; in the plain step and in the one that skips
-    anomalies (the loop's default), and with layer streaming. The losses and the settled
-    params are that schedule run by hand with the undelayed experiment's parts."""
+    anomalies (the loop's default), between the next step's microbatches (whose later ones
+    must not see the groups updated before them), and with layer streaming. The losses and the
+    settled params are that schedule run by hand with the undelayed experiment's parts."""
     config = small_config(offload__delayed_update=True, **kw)
     exp = build(config, make_mesh(config.mesh))
+    between = kw.get("microbatches", 1) > 1 and kw["offload__policy"] == "optimizer"
+    assert exp.steps.between_microbatches == between
     state, losses = exp.init_state(), []
     for rows in make_batches(config)[:3]:
         args = (np.inf,) if guarded else ()
@@ -750,6 +756,91 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
     assert events == (["step"] if delayed else prefetched) + prefetched, events
 
 
+@pytest.mark.parametrize("microbatches, tight", [(4, False), (2, True)])
+def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, tight):
+    """With microbatches the waiting update's groups are dispatched between the next step's
+    microbatch programs, one after each but the last (`Plan.slot_bytes`): a group is fetched
+    before the microbatch before it is dispatched, so that its copies run beside it, as do
+    the copies home of the group before; the groups past the slots (here with room for two
+    of the largest chunks only) run after the last."""
+    config = small_config(
+        microbatches=microbatches,
+        train__batch_size=8 * microbatches,
+        offload__delayed_update=True,
+        **DELAYED,
+    )
+    mesh = make_mesh(config.mesh)
+    if tight:
+        loose = build(config, mesh, fit_compiled=False)
+        largest = max(stream.chunk_bytes(c) for c in loose.streamed_update.chunks)
+        need = loose.plan.tier_bytes(DEVICE) - 2 * loose.plan.slot_bytes + 2 * largest
+        config.offload.device_gib = need * 1.001 / planner.USABLE / 2**30
+    exp = build(config, mesh)
+    assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
+    update, events = exp.streamed_update, []
+    microbatch, fetch, fn = exp.steps.program, update._fetch, update._fn
+    group = {tuple(ks): g for g, ks in enumerate(update.groups)}
+
+    def logged_microbatch(*args):
+        events.append("microbatch")
+        return microbatch(*args)
+
+    def logged_fetch(g, *args):
+        events.append(f"fetch {g}")
+        return fetch(g, *args)
+
+    def logged_fn(ks, *args):
+        events.append(f"update {group[tuple(ks)]}")
+        return fn(ks, *args)
+
+    exp.steps.program, update._fetch, update._fn = logged_microbatch, logged_fetch, logged_fn
+    state = exp.init_state()
+    for rows in make_batches(config)[:2]:
+        state, _ = exp.train_step(state, exp.global_batch(rows))
+        events.append("end")
+    first, second = (s.strip() for s in " ".join(events).split("end")[:2])
+    assert first == " ".join(["microbatch"] * microbatches), first  # Nothing waits yet.
+    n, slots = len(update.groups), microbatches - 1
+    assert update.slots(slots) == [1] * slots
+    assert n > slots if tight else n == slots, update.groups
+    then = lambda g: [f"update {g}", *([f"fetch {g + 1}"] if g + 1 < n else [])]
+    expected = ["fetch 0"]
+    for j in range(microbatches):
+        expected += ["microbatch", *(then(j) if j < slots else [])]
+    expected += [e for g in range(slots, n) for e in then(g)]
+    assert second == " ".join(expected), second
+
+
+def test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones(
+    monkeypatch,
+):
+    """A slot's group is large: once on the device its old host copies go, before its copies
+    home are made, so that the pinned pool holds it once (the 8B's ran the pool out)."""
+    config = small_config(
+        microbatches=4, train__batch_size=32, offload__delayed_update=True, **DELAYED
+    )
+    exp = build(config, make_mesh(config.mesh))
+    update, events = exp.streamed_update, []
+    move, delete = update._move, stream._delete
+
+    def logged_move(ks, leaves, to_device):
+        events.append("home" if not to_device else "fetch")
+        return move(ks, leaves, to_device)
+
+    def logged_delete(arrays):
+        events.append("delete" if arrays else "nothing")
+        return delete(arrays)
+
+    monkeypatch.setattr(update, "_move", logged_move)
+    monkeypatch.setattr(stream, "_delete", logged_delete)
+    state = exp.init_state()
+    for rows in make_batches(config)[:2]:
+        state, _ = exp.train_step(state, exp.global_batch(rows))
+    homes = [i for i, e in enumerate(events) if e == "home"]
+    assert len(homes) == len(update.groups), events
+    assert all(events[i - 1] == "delete" for i in homes), events
+
+
 def test_delayed_update_is_settled_before_a_checkpoint(tmp_path):
     """The training loop applies the waiting update before it saves: a run stopped at its
     checkpoint and resumed logs the uninterrupted run's losses, bitwise."""
@@ -777,6 +868,68 @@ def test_delayed_update_plans_the_waiting_grads():
         grads = plan.state_bytes["grads"]
         assert plan.state_bytes["delayed grads"] == pytest.approx(grads, 1e-3)
         assert plan.placement["delayed grads"] == DEVICE
+
+
+def test_update_between_microbatches_plans_its_chunks_and_new_compute_copy():
+    """Between the next step's microbatches the update's groups spread its moved chunks over
+    the slots (one fetched and one on its way home beside each microbatch), and the plan
+    counts the new compute copy beyond the waiting grads that go as it is made: at most the
+    largest weight's, with float32 compute (a weight's copy is its grads' size). Without room
+    for two of the largest moved chunks the update runs after the step, holding neither."""
+    # One slot: its even share is more than the largest chunk.
+    kw = dict(DELAYED, microbatches=2, offload__delayed_update=True)
+    mesh = make_mesh(small_config().mesh)
+    exp = build(small_config(**kw), mesh)
+    plan, update = exp.plan, exp.streamed_update
+    assert plan.update_between_microbatches and exp.steps.between_microbatches
+    weights = jax.tree.leaves(exp.abstract_state.compute_params)
+    assert plan.state_bytes["new compute params"] == max(map(planner.local_bytes, weights))
+    moved = [stream.chunk_bytes(c) for c in update.chunks if c.tier == HOST]
+    group_bytes = lambda u: [sum(stream.chunk_bytes(u.chunks[k]) for k in ks) for ks in u.groups]
+    assert plan.slot_bytes == int(planner.SLOT_MARGIN * sum(moved)), (plan.slot_bytes, moved)
+    assert max(group_bytes(update)) <= plan.slot_bytes and update.in_flight == 2
+    for held in ("chunks beside the step", "update chunks"):
+        assert plan.state_bytes[held] == 2 * plan.slot_bytes
+    # Room for two of the largest moved chunks, not for two slots' worth: smaller groups.
+    without = plan.tier_bytes(DEVICE) - 2 * plan.slot_bytes
+    room = 2 * max(moved) + (plan.slot_bytes - max(moved))
+    smaller = build(
+        small_config(offload__device_gib=(without + room) / planner.USABLE / 2**30, **kw), mesh
+    )
+    assert max(moved) <= smaller.plan.slot_bytes < plan.slot_bytes
+    assert max(group_bytes(smaller.streamed_update)) <= smaller.plan.slot_bytes
+    tight = (without + 2 * max(moved) - 1) / planner.USABLE / 2**30
+    exp = build(small_config(offload__device_gib=tight, **kw), mesh)
+    assert not (exp.plan.update_between_microbatches or exp.steps.between_microbatches)
+    assert "new compute params" not in exp.plan.state_bytes
+
+
+def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(monkeypatch):
+    """An estimate of the step's temporaries that leaves no room for the delayed update
+    between microbatches, where the compiled step's leave it: `build` plans again with them
+    and takes the update between microbatches, its own program (a microbatch's) compiled and
+    checked against the plan made again."""
+    kw = dict(DELAYED, microbatches=2, offload__delayed_update=True)
+    mesh = make_mesh(small_config().mesh)
+    exact = build(small_config(**kw), mesh)
+    temps = exact.steps.program.memory_analysis().temp_size_in_bytes
+    held = {s: exact.plan.state_bytes[s] for s in ("layer inputs", "microbatch grads")}
+    estimate, over = planner.activation_bytes, 2 * exact.plan.slot_bytes
+    wrong = lambda c, m, r: {**estimate(c, m, r), "activations": temps + over - sum(held.values())}
+    monkeypatch.setattr(planner, "activation_bytes", wrong)
+    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    # Room for the update between microbatches with the compiled temporaries, not the estimate.
+    need = exact.plan.tier_bytes(DEVICE) + temps - sum(held.values())
+    need -= exact.plan.state_bytes["activations"]
+    budget = need * 1.01 / planner.USABLE / 2**30
+    config = small_config(offload__device_gib=budget, **kw)
+    assert not build(config, mesh, fit_compiled=False).plan.update_between_microbatches
+    exp = build(config, mesh)
+    assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
+    assert "_finish_compiled" in vars(exp.steps)  # The step's last program, checked too.
+    assert exp.plan.state_bytes["activations"] == pytest.approx(
+        temps - sum(held.values()), rel=0.05
+    )
 
 
 def test_delayed_update_needs_an_offloaded_update():
@@ -1053,7 +1206,7 @@ def test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device(mo
 
     def recorded_pipelined(fn, chunks, in_flight):
         done = real_pipelined(fn, chunks, in_flight)
-        if len(chunks[0]) == 3:  # The update's (master, state, grad), not the grad norm's.
+        if chunks and len(chunks[0]) == 3:  # The update's (master, state, grad), not the norm's.
             waited = jax.tree.leaves([out[-1] for out in done])
             bounds.append((in_flight, {jax.typeof(x).memory_space for x in waited if x.ndim}))
         return done
@@ -1407,19 +1560,28 @@ def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch
 
 @pytest.mark.parametrize("in_flight", [1, 3])
 def test_update_bounds_chunks_in_flight(in_flight):
-    """The grad norm pass waits behind a barrier on an earlier chunk after the first
-    `in_flight`; the streamed update holds at most `in_flight` chunks on the device."""
-    config = small_config(offload__policy="optimizer", offload__chunks_in_flight=in_flight)
-    config.mesh.data = 8
-    exp = build(config, make_mesh(config.mesh))
-    state = exp.init_state()
-    batch = exp.global_batch(make_batches(config)[0])
-    with sharding.use_rules(exp.mesh, exp.rules):
-        grad_step = jax.jit(exp.steps._grad_step)
-        text = grad_step.lower(state.step, state.compute_params, batch).as_text()
-    # small_config: 2 layers x 9 stacked weights + embedding, final norm and LM head.
-    chunks = 2 * 9 + 3
-    assert text.count("optimization_barrier") == chunks - in_flight
+    """The grad norm pass fetches grads in host memory (layer streaming's) a layer at a time,
+    each after the first `in_flight` behind a barrier on an earlier one, and reads those on
+    the device whole; the streamed update holds at most `in_flight` chunks on the device."""
+
+    def grad_step_text(policy):
+        config = small_config(
+            offload__policy=policy, offload__chunks_in_flight=in_flight, model__remat="full"
+        )
+        config.mesh.data = 8
+        exp = build(config, make_mesh(config.mesh))
+        state = exp.init_state()
+        batch = exp.global_batch(make_batches(config)[0])
+        with sharding.use_rules(exp.mesh, exp.rules):
+            grad_step = jax.jit(exp.steps._grad_step)
+            text = grad_step.lower(state.step, state.compute_params, batch).as_text()
+        return exp, state, batch, text
+
+    # small_config: 2 layers x 9 stacked weights, streamed with policy params.
+    streamed = grad_step_text("params")[3]
+    assert streamed.count("optimization_barrier") == 2 * 9 - in_flight
+    exp, state, batch, text = grad_step_text("optimizer")
+    assert text.count("optimization_barrier") == 0
     exp.train_step(state, batch)
     assert exp.streamed_update.most_in_flight == in_flight
 

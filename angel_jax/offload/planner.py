@@ -81,6 +81,9 @@ UPDATE_ONLY = ("update chunks",)
 # 50 GB/s) outweigh the runtime calls that grouping saves (about 1.2 ms a chunk).
 MOST_CHUNKS_A_GROUP = 64
 MOST_BYTES_A_GROUP = 256 * 2**20
+# An update between microbatches spreads its moved chunks over the slots between them in
+# groups this much larger than an even share, since whole chunks leave gaps as they pack.
+SLOT_MARGIN = 1.1
 # A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
 WORKING_WIDTHS = (8, 6)
 
@@ -104,6 +107,17 @@ class Plan:
     # the next step (`StreamedUpdate.prefetch`); off when the device has no room for them
     # beside the step's activations: the update then ends with its copies home.
     copies_beside_step: bool = True
+    # A delayed update (config.offload.delayed_update) that runs between the next step's
+    # microbatches: the bytes of each of its groups, one dispatched after each microbatch
+    # but the last, with one group fetched and one on its way home beside each microbatch
+    # ("chunks beside the step"), and its new compute copy made beside the one they read
+    # ("new compute params"). 0: the update runs after the step (no microbatches, layer
+    # streaming, a pipeline, or no room beside the microbatches for two chunks).
+    slot_bytes: int = 0
+
+    @property
+    def update_between_microbatches(self) -> bool:
+        return self.slot_bytes > 0
 
     def chunk_tier(self, path: str, layer: int | None) -> str:
         if (path, layer) in self.on_ssd:
@@ -422,7 +436,7 @@ def chunk_part(key: str) -> str:
 
 
 def group_chunks(
-    sizes: list[int], tiers: list[str], parts: list[str], in_flight: int
+    sizes: list[int], tiers: list[str], parts: list[str], in_flight: int, slot_bytes: int = 0
 ) -> list[list[int]]:
     """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier
     and one part of the params (`chunk_part`: unrolled layers' groups alike, so that they
@@ -431,13 +445,23 @@ def group_chunks(
     bytes (a larger chunk is a group of its own) and the bytes of the smallest of the largest
     chunks `_in_flight_bytes` counts (the larger of its ahead and leaving), so that any such
     number of groups holds no more than that many of the largest chunks. SSD chunks stay
-    alone (their reads and writes are per chunk)."""
+    alone (their reads and writes are per chunk).
+
+    `slot_bytes` (an update between microbatches, `Plan.slot_bytes`): groups of at most that
+    many bytes moved, the device's resident chunks with them (they move nothing) and across
+    parts (each group has a program of its own anyway), so that the update takes as few
+    groups, one a slot, as its moved bytes need."""
     if not sizes:
         return []
     counted = max(flight(in_flight))
     # With every chunk counted (all in flight) the bound is the whole state, and every group
     # is beside the step anyway: no byte cap.
     cap = min(sorted(sizes)[-counted], MOST_BYTES_A_GROUP) if counted < len(sizes) else sum(sizes)
+    if slot_bytes:
+        cap = slot_bytes
+        sizes = [0 if tier == DEVICE else size for tier, size in zip(tiers, sizes, strict=True)]
+        tiers = [HOST if tier == DEVICE else tier for tier in tiers]
+        parts = [""] * len(parts)
     groups, total = [], 0
     for k, (tier, size) in enumerate(zip(tiers, sizes, strict=True)):
         joins = (
@@ -469,6 +493,15 @@ def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int
     return fetched, moved[-leaving:]
 
 
+def _new_compute_bytes(params, grads, compute_dtype) -> int:
+    """The new compute copy's bytes that an update between microbatches holds beyond the
+    waiting float32 grads, at its most: weight by weight (the update's order) a weight's new
+    copy is made at its first chunk and its grads go after its last."""
+    compute = [local_bytes(p, compute_dtype) for p in jax.tree.leaves(params)]
+    f32 = [local_bytes(g, np.float32) for g in jax.tree.leaves(grads)]
+    return max(sum(compute[: i + 1]) - sum(f32[:i]) for i in range(len(compute)))
+
+
 def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     """`plan` (with none resident yet, or fewer) with update chunks `resident` on the device."""
     state_bytes, placement = dict(plan.state_bytes), dict(plan.placement)
@@ -484,12 +517,18 @@ def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     )
 
 
-def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool) -> Plan:
+def _with_step_chunks(
+    plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool, slots: int
+) -> Plan:
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
-    with `copies_beside_step` off. With the update inside the step (`in_step`,
-    config.offload.update_in_step) its chunks in flight instead ("chunks in the step"): at
-    most `in_flight` of the moved ones, counted as the largest; speculating
+    with `copies_beside_step` off. A delayed update that may run between the next step's
+    `slots` + 1 microbatches (with "new compute params" in the plan) takes groups as large
+    as spreads its moved chunks over the slots, or as the room beside the microbatches for
+    two of them allows (`Plan.slot_bytes`); with no room for two of its largest chunks it
+    runs after the step, which then holds no new compute copy. With the update inside the
+    step (`in_step`, config.offload.update_in_step) its chunks in flight instead ("chunks in
+    the step"): at most `in_flight` of the moved ones, counted as the largest; speculating
     (config.offload.speculative_update), the old state the step keeps for a redo beside its
     new state: the moved chunks in host memory, the resident ones and the compute copy on the
     device."""
@@ -512,12 +551,34 @@ def _with_step_chunks(plan: Plan, chunks, in_flight: int, in_step: bool, specula
             )
             placement.update({"old state kept": HOST, "old device state kept": DEVICE})
         return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)
+    placement = {**plan.placement, "chunks beside the step": DEVICE}
+    moved = [n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE]
+    if slots and moved:
+        # The room beside the microbatches, without the update's chunks (or after the step).
+        held = {**plan.state_bytes, "chunks beside the step": 0, "update chunks": 0}
+        without = dataclasses.replace(plan, state_bytes=held, placement=placement)
+        without = without.tier_bytes(DEVICE)
+        room = USABLE * plan.budget[DEVICE] - without
+        # A group a slot, with a margin for packing whole chunks.
+        slot = int(min(room // 2, max(max(moved), SLOT_MARGIN * sum(moved) / slots)))
+        if slot >= max(moved):
+            in_flight_bytes = {"chunks beside the step": 2 * slot, "update chunks": 2 * slot}
+            return dataclasses.replace(
+                plan,
+                state_bytes={**plan.state_bytes, **in_flight_bytes},
+                placement=placement,
+                copies_beside_step=True,
+                slot_bytes=slot,
+            )
+    state_bytes = {s: b for s, b in plan.state_bytes.items() if s != "new compute params"}
+    if plan.slot_bytes:  # The update after the step: its chunks as `in_flight` has them.
+        state_bytes["update chunks"] = _in_flight_bytes(chunks, in_flight)
+    plan = dataclasses.replace(plan, state_bytes=state_bytes, slot_bytes=0)
     parts = [chunk_part(key[0]) for key, _ in updated]
     groups = group_chunks(sizes, tiers, parts, in_flight)
     fetched, leaving = beside_step_groups(tiers, groups, in_flight)
     beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
     state_bytes = {**plan.state_bytes, "chunks beside the step": beside}
-    placement = {**plan.placement, "chunks beside the step": DEVICE}
     with_them = dataclasses.replace(
         plan, state_bytes=state_bytes, placement=placement, copies_beside_step=True
     )
@@ -577,8 +638,12 @@ def make_plan(
     speculative = in_step and config.offload.speculative_update
     kept = 2 if speculative else 1  # A speculating step keeps a resident chunk's old copy too.
 
+    # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
+    between = config.offload.delayed_update and accumulating and pipeline is None and not in_step
+
     def step_chunks(plan: Plan) -> Plan:
-        return _with_step_chunks(plan, chunks, in_flight, in_step, speculative)
+        slots = config.train.microbatches - 1 if "new compute params" in plan.state_bytes else 0
+        return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
         saved = dict(activations[remat])
@@ -633,6 +698,8 @@ def make_plan(
             out["delayed grads"] = other_waiting + (0 if streamed else layer_waiting)
             if streamed:
                 out["delayed streamed grads"] = layer_waiting
+            elif between:
+                out["new compute params"] = _new_compute_bytes(params, grads, compute_dtype)
         return out
 
     host_states = {

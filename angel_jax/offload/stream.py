@@ -109,12 +109,26 @@ def regroup(done, layers, treedef):
 
 
 def global_norm(grads, stacked, in_flight: int):
-    """The global grad norm, one chunk at a time (grads may be in host memory)."""
-    chunks, _, _ = layer_chunks(grads, stacked=stacked)
-    squares = pipelined(
-        lambda _, g: (jnp.sum(jnp.square(fetch_f32(g))),), [(g,) for _, g in chunks], in_flight
-    )
-    return jnp.sqrt(sum(s for (s,) in squares))
+    """The global grad norm, summed weight by weight: a weight on the device in one reduction,
+    one in host memory a chunk (a layer) at a time, `in_flight` fetched at once (`pipelined`).
+    (Layer slices of a weight on the device were copied out first: 3.6 GiB of temporaries for
+    llama_1b's float32 grads of 4.1 GB, in the program that ends a step a microbatch at a
+    time; the 8B's ran out of device memory, H200 2026-12-04.)"""
+    square = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)))
+    on_device = lambda g: not isinstance(g, tuple) and jax.typeof(g).memory_space != Space.Host
+    flat = jax.tree.structure(stacked).flatten_up_to(grads)
+    weights = list(zip(flat, jax.tree.leaves(stacked), strict=True))
+    layers = lambda g, is_stacked: [g[i] for i in range(len(g))] if is_stacked else [g]
+    on_host = [c for g, s in weights if not on_device(g) for c in layers(g, s)]
+    fetch = lambda _, g: (square(fetch_f32(g)),)
+    fetched = iter(pipelined(fetch, [(c,) for c in on_host], in_flight))
+    total = 0.0
+    for g, is_stacked in weights:
+        if on_device(g):
+            total += square(g)
+        else:
+            total += sum(next(fetched)[0] for _ in layers(g, is_stacked))
+    return jnp.sqrt(total)
 
 
 def update_in_step(
@@ -220,6 +234,10 @@ class StreamedUpdate:
     dispatched, and the last groups' copies home run beside the next one, when the plan has
     room for them beside the step's activations (`Plan.copies_beside_step`, which counts them:
     `planner.beside_step_groups`).
+
+    A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
+    takes groups of that many bytes moved, two in flight: `stages` stops after each, so that
+    a microbatch is dispatched between them (`slots`).
     """
 
     def __init__(
@@ -230,8 +248,13 @@ class StreamedUpdate:
         ssd=None,
         cpu=None,
         beside_step: bool = True,
+        slot_bytes: int = 0,
     ):
+        # Between microbatches (`Plan.slot_bytes`): a group a slot, one fetched while the
+        # last one goes home.
+        in_flight = 2 if slot_bytes else in_flight
         self.optimizer, self.in_flight, self.ssd, self.cpu = optimizer, in_flight, ssd, cpu
+        self.slot_bytes = slot_bytes
         # Whether groups are fetched before the step and go home beside the next one (the
         # plan's `copies_beside_step`): else the update ends with every copy home.
         self.beside_step = beside_step
@@ -239,8 +262,12 @@ class StreamedUpdate:
         self.ahead, self.leaving = flight(in_flight)
         sizes = [chunk_bytes(c) for c in self.chunks]
         tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
-        self.groups = group_chunks(sizes, tiers, parts, in_flight)
+        self.groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
         self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
+        # Per weight (flat index), the last group that updates it.
+        self._last_group = {
+            self.chunks[k].weight: g for g, ks in enumerate(self.groups) for k in ks
+        }
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
         self._fns = {}
@@ -336,7 +363,31 @@ class StreamedUpdate:
             return self.ssd.read(self.chunks[ks[0]])
         return self._move(ks, [self._leaves(k, masters, states) for k in ks], to_device=True)
 
-    def __call__(
+    def __call__(self, *args, **kwargs):
+        """Updates every chunk with its grad times `scale` (the clipping factor): `stages`
+        run to its end, its result returned."""
+        return self.run_out(self.stages(*args, **kwargs))
+
+    @staticmethod
+    def run_out(stages):
+        """`stages` (a generator `stages` returned) run to its end: its value."""
+        while True:
+            try:
+                next(stages)
+            except StopIteration as end:
+                return end.value
+
+    def slots(self, count: int) -> list[int]:
+        """How many of `stages`' groups to dispatch after each of `count` programs that the
+        update runs between (the next step's microbatches): as evenly as the groups go, at
+        most the groups fetched ahead each, so that a slot's groups are on their way before
+        the program before them is dispatched and their copies run beside it. Groups past
+        the slots run after the last program."""
+        n = len(self.groups)
+        each = min(self.ahead, -(-n // count)) if count else 0
+        return [max(0, min(each, n - each * i)) for i in range(count)]
+
+    def stages(
         self,
         grads: list,
         scale,
@@ -345,17 +396,24 @@ class StreamedUpdate:
         compute: list,
         on_cpu=None,
         fetched=None,
+        into_new: bool = False,
     ):
-        """Updates every chunk with its grad times `scale` (the clipping factor).
+        """`__call__`'s update as a generator that stops after its first fetches and after
+        each group's dispatch, so that other programs can be dispatched between its groups
+        (`slots`); its value, at the end, is `__call__`'s.
 
         Arguments are flat lists over the params' leaves: `grads` and `compute` stacked for
         stacked weights (grads may instead be tuples of layers), `masters` and `states` tuples
         of layers for stacked weights, with None for chunks on the SSD tier; `on_cpu`: the
         host's share as `start_on_cpu` returned it, if started already; `fetched`: what
         `prefetch` returned for these masters and states. Returns the new (masters, states,
-        compute) likewise; donates `masters`, `states` and `compute`.
+        compute) likewise; donates `masters`, `states` and `compute`, but with `into_new`
+        the new compute copy goes into new arrays (a weight's made as its first group is
+        dispatched) and `compute` is left as it was, for programs dispatched between the
+        groups to read. A weight's grads are let go after its last group.
         """
         chunks, groups, n = self.chunks, self.groups, len(self.groups)
+        grads = list(grads)
         self._delete_ready()
         # The last update's groups still on their way home (at the deque's left end).
         older = {id(e) for e in self._leaving}
@@ -371,7 +429,7 @@ class StreamedUpdate:
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
             for tree in (masters, states)
         )
-        compute = list(compute)
+        old_compute, compute = compute, [None] * len(compute) if into_new else list(compute)
 
         def put(tree, c, value):
             if c.layer is None:
@@ -379,6 +437,7 @@ class StreamedUpdate:
             else:
                 tree[c.weight][c.layer] = value
 
+        yield  # The first groups are on their way.
         for g, ks in enumerate(groups):
             group = [chunks[k] for k in ks]
             if group[0].tier == SSD:
@@ -388,7 +447,17 @@ class StreamedUpdate:
                 leaves = fetched.pop(g)
                 # The caller's host copies (its state is donated), deleted once read.
                 old = self._moved(ks, [self._leaves(k, masters, states) for k in ks])
+                if self.slot_bytes and old:
+                    # A slot's group is large: its host copies go, once copied up, before
+                    # its new ones come, or the pinned pool would hold it twice (the 8B's
+                    # 6 GiB groups ran it out of memory, H200 2026-12-04).
+                    _wait(self._moved(ks, leaves))
+                    _delete(old)
+                    old = []
             weights = list(dict.fromkeys(c.weight for c in group))
+            for w in weights:
+                if compute[w] is None:
+                    compute[w] = _zeros_like(old_compute[w])
             layer_grads = [
                 grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
                 for c in group
@@ -403,6 +472,8 @@ class StreamedUpdate:
             )
             for w, x in zip(weights, new_compute, strict=True):
                 compute[w] = x
+                if self._last_group[w] == g:
+                    grads[w] = None  # Its arrays go once the programs reading them are done.
             outs = [
                 [m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)
             ]
@@ -430,6 +501,7 @@ class StreamedUpdate:
             self.most_bytes_in_flight = max(
                 self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
             )
+            yield
         # This update's last groups on their way home stay on the device beside the next
         # step, as many as the planner counts (`planner.beside_step_groups`): older ones, and
         # the last update's (with fewer groups than that they would pile up), are waited for
@@ -440,7 +512,13 @@ class StreamedUpdate:
         self._delete_ready()
         start = time.perf_counter()
         for c, new in on_cpu:
+            if compute[c.weight] is None:
+                compute[c.weight] = _zeros_like(old_compute[c.weight])
             compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
+        # A weight no chunk updates keeps its copy.
+        compute = [
+            old if new is None else new for old, new in zip(old_compute, compute, strict=True)
+        ]
         if self.cpu:  # Waited for the host's cores, and copying their weights up.
             self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -544,6 +622,19 @@ class StreamedUpdate:
 def chunk_bytes(c: Chunk) -> int:
     """A chunk's master and optimizer state bytes on one device."""
     return local_bytes([c.master, c.state])
+
+
+def _zeros_like(x: jax.Array) -> jax.Array:
+    """A new array of `x`'s shape, dtype and sharding, for a new compute copy to go into."""
+    return _zeros(x.shape, x.dtype, x.sharding)()
+
+
+@functools.cache
+def _zeros(shape, dtype, sharding):
+    def new_compute_copy():  # Named: a profile or an error names the program by it.
+        return jnp.zeros(shape, dtype)
+
+    return jax.jit(new_compute_copy, out_shardings=sharding)
 
 
 def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.Array:
