@@ -356,7 +356,8 @@ class OffloadedStep(_Offloaded):
         with sharding.use_rules(exp.mesh, exp.rules):
             lowered = self._finish_jitted.lower(exp.abstract_state.step, self._sums_shapes)
         compiled = lowered.compile()
-        if self.checks_compiled:  # Raises CompiledTooLarge; its excess is not the step's.
+        # Raises CompiledTooLarge: its temporaries, like a microbatch's, are the step's.
+        if self.checks_compiled:
             check_compiled(exp.plan, compiled.memory_analysis())
         return compiled
 

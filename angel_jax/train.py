@@ -305,11 +305,14 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
     program."""
     plan, excess = exp.plan, exp.steps.beyond_estimate  # Of the step compiled in `build`.
     # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
-    fills = (
-        config.offload.policy == "auto"
-        or not plan.copies_beside_step
-        or (config.offload.delayed_update and not plan.update_between_microbatches)
+    # A delayed update that could run between microbatches, if the room let it.
+    could_go_between = (
+        "delayed grads" in plan.state_bytes
+        and config.train.microbatches > 1
+        and not (exp.pipeline or plan.streams_params or config.offload.update_in_step)
+        and not plan.update_between_microbatches
     )
+    fills = config.offload.policy == "auto" or not plan.copies_beside_step or could_go_between
     if excess >= 0 or not fills:
         return exp
     again = _build(config, mesh, {(True, plan.remat): excess})

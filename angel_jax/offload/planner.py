@@ -111,8 +111,9 @@ class Plan:
     # microbatches: the bytes of each of its groups, one dispatched after each microbatch
     # but the last, with one group fetched and one on its way home beside each microbatch
     # ("chunks beside the step"), and its new compute copy made beside the one they read
-    # ("new compute params"). 0: the update runs after the step (no microbatches, layer
-    # streaming, a pipeline, or no room beside the microbatches for two chunks).
+    # ("new compute params"). 0: the update runs after the step (no delay, no microbatches,
+    # layer streaming, a pipeline, the update inside the step, no chunk moved, or no room
+    # beside the microbatches for two of the largest chunks).
     slot_bytes: int = 0
 
     @property
@@ -448,17 +449,18 @@ def group_chunks(
     alone (their reads and writes are per chunk).
 
     `slot_bytes` (an update between microbatches, `Plan.slot_bytes`): groups of at most that
-    many bytes moved, the device's resident chunks with them (they move nothing) and across
-    parts (each group has a program of its own anyway), so that the update takes as few
-    groups, one a slot, as its moved bytes need."""
+    many bytes moved, the device's resident chunks with them (they move nothing), across parts
+    and of any number of chunks (each group has a program of its own anyway), so that the
+    update takes as few groups, one a slot, as its moved bytes need."""
     if not sizes:
         return []
     counted = max(flight(in_flight))
     # With every chunk counted (all in flight) the bound is the whole state, and every group
     # is beside the step anyway: no byte cap.
     cap = min(sorted(sizes)[-counted], MOST_BYTES_A_GROUP) if counted < len(sizes) else sum(sizes)
+    most_chunks = MOST_CHUNKS_A_GROUP
     if slot_bytes:
-        cap = slot_bytes
+        cap, most_chunks = slot_bytes, len(sizes)
         sizes = [0 if tier == DEVICE else size for tier, size in zip(tiers, sizes, strict=True)]
         tiers = [HOST if tier == DEVICE else tier for tier in tiers]
         parts = [""] * len(parts)
@@ -469,7 +471,7 @@ def group_chunks(
             and tier != SSD
             and tiers[groups[-1][-1]] == tier
             and parts[groups[-1][-1]] == parts[k]
-            and len(groups[-1]) < MOST_CHUNKS_A_GROUP
+            and len(groups[-1]) < most_chunks
             and total + size <= cap
         )
         if joins:
@@ -493,13 +495,25 @@ def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int
     return fetched, moved[-leaving:]
 
 
-def _new_compute_bytes(params, grads, compute_dtype) -> int:
-    """The new compute copy's bytes that an update between microbatches holds beyond the
-    waiting float32 grads, at its most: weight by weight (the update's order) a weight's new
-    copy is made at its first chunk and its grads go after its last."""
-    compute = [local_bytes(p, compute_dtype) for p in jax.tree.leaves(params)]
-    f32 = [local_bytes(g, np.float32) for g in jax.tree.leaves(grads)]
-    return max(sum(compute[: i + 1]) - sum(f32[:i]) for i in range(len(compute)))
+def _new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes: dict) -> int:
+    """What the new compute copy of an update between microbatches holds beyond the waiting
+    float32 grads, at its most: a weight's new copy is made as the first group that updates
+    it is dispatched, its grads go once the last such group has run (`StreamedUpdate.stages`);
+    the host cores' weights' copies are made at the end. `groups`: the device's groups of
+    chunk indices into `weights` (each chunk's weight); `weight_bytes`: weight -> (its compute
+    copy's bytes, its float32 grads' bytes)."""
+    first, last = {}, {}
+    for g, ks in enumerate(groups):
+        for k in ks:
+            first.setdefault(weights[k], g)
+            last[weights[k]] = g
+    end = len(groups)  # After the last group: every copy made, the device's grads gone.
+    most = 0
+    for g in range(end + 1):
+        made = sum(c for w, (c, _) in weight_bytes.items() if first.get(w, end) <= g)
+        gone = sum(f for w, (_, f) in weight_bytes.items() if last.get(w, end) < g)
+        most = max(most, made - gone)
+    return most
 
 
 def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
@@ -518,14 +532,21 @@ def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
 
 
 def _with_step_chunks(
-    plan: Plan, chunks, in_flight: int, in_step: bool, speculative: bool, slots: int
+    plan: Plan,
+    chunks,
+    in_flight: int,
+    in_step: bool,
+    speculative: bool,
+    slots: int,
+    weight_bytes: dict | None = None,
 ) -> Plan:
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. A delayed update that may run between the next step's
     `slots` + 1 microbatches (with "new compute params" in the plan) takes groups as large
     as spreads its moved chunks over the slots, or as the room beside the microbatches for
-    two of them allows (`Plan.slot_bytes`); with no room for two of its largest chunks it
+    two of them beside its new compute copy allows (`Plan.slot_bytes`,
+    `_new_compute_bytes` with `weight_bytes`); with no room for two of its largest chunks it
     runs after the step, which then holds no new compute copy. With the update inside the
     step (`in_step`, config.offload.update_in_step) its chunks in flight instead ("chunks in
     the step"): at most `in_flight` of the moved ones, counted as the largest; speculating
@@ -554,18 +575,31 @@ def _with_step_chunks(
     placement = {**plan.placement, "chunks beside the step": DEVICE}
     moved = [n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE]
     if slots and moved:
-        # The room beside the microbatches, without the update's chunks (or after the step).
+        # The room beside the microbatches, without the update's chunks (or after the step)
+        # and its new compute copy.
         held = {**plan.state_bytes, "chunks beside the step": 0, "update chunks": 0}
+        held["new compute params"] = 0
         without = dataclasses.replace(plan, state_bytes=held, placement=placement)
-        without = without.tier_bytes(DEVICE)
-        room = USABLE * plan.budget[DEVICE] - without
-        # A group a slot, with a margin for packing whole chunks.
-        slot = int(min(room // 2, max(max(moved), SLOT_MARGIN * sum(moved) / slots)))
-        if slot >= max(moved):
+        room = USABLE * plan.budget[DEVICE] - without.tier_bytes(DEVICE)
+        # A group a slot, with a margin for packing whole chunks; smaller while the groups'
+        # new compute copy leaves no room for two of them.
+        slot = int(max(max(moved), SLOT_MARGIN * sum(moved) / slots))
+        weights = [key[0] for key, _ in updated]
+        parts = [chunk_part(w) for w in weights]
+        for _ in range(4):
+            groups = group_chunks(sizes, tiers, parts, 2, slot)
+            new_copy = _new_compute_bytes(groups, weights, weight_bytes)
+            fits = (room - new_copy) // 2
+            if slot <= fits or fits < max(moved):
+                break
+            slot = int(fits)
+        else:
+            slot = 0  # Still shrinking: no room to settle on.
+        if max(moved) <= slot <= (room - new_copy) // 2 and slot:
             in_flight_bytes = {"chunks beside the step": 2 * slot, "update chunks": 2 * slot}
             return dataclasses.replace(
                 plan,
-                state_bytes={**plan.state_bytes, **in_flight_bytes},
+                state_bytes={**held, **in_flight_bytes, "new compute params": new_copy},
                 placement=placement,
                 copies_beside_step=True,
                 slot_bytes=slot,
@@ -641,9 +675,17 @@ def make_plan(
     # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
     between = config.offload.delayed_update and accumulating and pipeline is None and not in_step
 
+    # Weight -> (its compute copy's bytes, its float32 grads' bytes): `_new_compute_bytes`.
+    weight_bytes = {
+        jax.tree_util.keystr(path): (local_bytes(p, compute_dtype), local_bytes(g, np.float32))
+        for (path, p), g in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads), strict=True
+        )
+    }
+
     def step_chunks(plan: Plan) -> Plan:
         slots = config.train.microbatches - 1 if "new compute params" in plan.state_bytes else 0
-        return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots)
+        return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots, weight_bytes)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
         saved = dict(activations[remat])
@@ -698,8 +740,8 @@ def make_plan(
             out["delayed grads"] = other_waiting + (0 if streamed else layer_waiting)
             if streamed:
                 out["delayed streamed grads"] = layer_waiting
-            elif between:
-                out["new compute params"] = _new_compute_bytes(params, grads, compute_dtype)
+            elif between:  # Sized with the update's groups (`_with_step_chunks`).
+                out["new compute params"] = 0
         return out
 
     host_states = {

@@ -111,9 +111,8 @@ def regroup(done, layers, treedef):
 def global_norm(grads, stacked, in_flight: int):
     """The global grad norm, summed weight by weight: a weight on the device in one reduction,
     one in host memory a chunk (a layer) at a time, `in_flight` fetched at once (`pipelined`).
-    (Layer slices of a weight on the device were copied out first: 3.6 GiB of temporaries for
-    llama_1b's float32 grads of 4.1 GB, in the program that ends a step a microbatch at a
-    time; the 8B's ran out of device memory, H200 2026-12-04.)"""
+    (On the CPU, layer slices of a weight on the device through `pipelined`'s barriers were
+    copied out first: 3.6 GiB of temporaries for llama_1b's float32 grads of 4.1 GB.)"""
     square = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)))
     on_device = lambda g: not isinstance(g, tuple) and jax.typeof(g).memory_space != Space.Host
     flat = jax.tree.structure(stacked).flatten_up_to(grads)
@@ -236,8 +235,9 @@ class StreamedUpdate:
     `planner.beside_step_groups`).
 
     A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
-    takes groups of that many bytes moved, two in flight: `stages` stops after each, so that
-    a microbatch is dispatched between them (`slots`).
+    takes groups of that many bytes moved, two on the device at most (one fetched, one on its
+    way home; config.offload.chunks_in_flight does not apply): `stages` stops after each, so
+    that a microbatch is dispatched between them (`slots`).
     """
 
     def __init__(
@@ -260,6 +260,8 @@ class StreamedUpdate:
         self.beside_step = beside_step
         self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
         self.ahead, self.leaving = flight(in_flight)
+        if slot_bytes:  # One left on its way home, beside the next step's first fetched.
+            self.leaving = 1
         sizes = [chunk_bytes(c) for c in self.chunks]
         tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
         self.groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
