@@ -557,8 +557,8 @@ BREAKS = [
     (
         "room the compiled step leaves is not given back",
         "angel_jax/train.py",
-        "    if excess >= 0 or not (",
-        "    if True or not (",
+        "    if excess >= 0 or not fills:",
+        "    if True:",
         [
             "tests/test_offload.py::test_auto_plans_again_with_the_compiled_steps_temporaries[undershoots]"
         ],
