@@ -578,6 +578,11 @@ class InStepUpdate(_Offloaded):
     def exact_compiled(self) -> jax.stages.Compiled:
         return self.exact_lowered.compile(compiler_options=COPIES_IN_FLIGHT)
 
+    def program_that_ran(self, speculated: list[int]) -> jax.stages.Compiled:
+        """The program steps whose metrics["speculated"] were `speculated` ran: the exact
+        one when none speculated (each followed a clipped step), else `program`."""
+        return self.exact_compiled if speculated and not any(speculated) else self.program
+
     @functools.cached_property
     def program(self) -> jax.stages.Compiled:
         """The step's program, checked; with exact steps to follow a clipped speculating one,

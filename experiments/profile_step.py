@@ -378,8 +378,8 @@ def main() -> int:
     traced = [
         {k: np.asarray(v).item() for k, v in jax.device_get(m).items() if k in read} for m in traced
     ]
-    if traced and all(t.get("speculated") == 0 for t in traced):
-        program = exp.steps.exact_compiled  # Each traced step followed a clipped one.
+    if traced and "speculated" in traced[0]:  # The exact program if every step clipped.
+        program = exp.steps.program_that_ran([t["speculated"] for t in traced])
     hlo_text = program.as_text()
     trace_file = next(trace_dir.rglob("perfetto_trace.json.gz"))
     with gzip.open(trace_file) as f:

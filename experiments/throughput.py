@@ -156,8 +156,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     jax.block_until_ready((state, metrics))
     step_s = (time.perf_counter() - start) / max(steps, 1)
     breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
-    if speculated and not any(speculated):  # Each timed step followed a clipped one.
-        program = exp.steps.exact_compiled
+    if speculated:  # The speculative update: the exact program if every step clipped.
+        program = exp.steps.program_that_ran(speculated)
     compiled = program_report(program, overrides)
     if steps == 0:  # The broken-down step is the timed one.
         step_s = breakdown["compute_s"] + breakdown["update_s"]

@@ -543,16 +543,15 @@ def _with_step_chunks(
     """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. A delayed update that may run between the next step's
-    `slots` + 1 microbatches (with "new compute params" in the plan) takes groups as large
-    as spreads its moved chunks over the slots, or as the room beside the microbatches for
-    two of them beside its new compute copy allows (`Plan.slot_bytes`,
-    `_new_compute_bytes` with `weight_bytes`); with no room for two of its largest chunks it
-    runs after the step, which then holds no new compute copy. With the update inside the
-    step (`in_step`, config.offload.update_in_step) its chunks in flight instead ("chunks in
-    the step"): at most `in_flight` of the moved ones, counted as the largest; speculating
-    (config.offload.speculative_update), the old state the step keeps for a redo beside its
-    new state: the moved chunks in host memory, the resident ones and the compute copy on the
-    device."""
+    `slots` + 1 microbatches takes groups as large as spreads its moved chunks over the
+    slots, or as the room beside the microbatches for two of them beside its new compute copy
+    allows (`Plan.slot_bytes`, `_new_compute_bytes` with `weight_bytes`); with no room for
+    two of its largest chunks it runs after the step, which then holds no new compute copy.
+    With the update inside the step (`in_step`, config.offload.update_in_step) its chunks in
+    flight instead ("chunks in the step"): at most `in_flight` of the moved ones, counted as
+    the largest; speculating (config.offload.speculative_update), the old state the step
+    keeps for a redo beside its new state: the moved chunks in host memory, the resident
+    ones and the compute copy on the device."""
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
@@ -579,6 +578,7 @@ def _with_step_chunks(
         # and its new compute copy.
         held = {**plan.state_bytes, "chunks beside the step": 0, "update chunks": 0}
         held["new compute params"] = 0
+        placement["new compute params"] = DEVICE
         without = dataclasses.replace(plan, state_bytes=held, placement=placement)
         room = USABLE * plan.budget[DEVICE] - without.tier_bytes(DEVICE)
         # A group a slot, with a margin for packing whole chunks; smaller while the groups'
@@ -684,7 +684,7 @@ def make_plan(
     }
 
     def step_chunks(plan: Plan) -> Plan:
-        slots = config.train.microbatches - 1 if "new compute params" in plan.state_bytes else 0
+        slots = config.train.microbatches - 1 if between and not plan.streams_params else 0
         return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots, weight_bytes)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
@@ -740,8 +740,6 @@ def make_plan(
             out["delayed grads"] = other_waiting + (0 if streamed else layer_waiting)
             if streamed:
                 out["delayed streamed grads"] = layer_waiting
-            elif between:  # Sized with the update's groups (`_with_step_chunks`).
-                out["new compute params"] = 0
         return out
 
     host_states = {

@@ -381,13 +381,10 @@ class StreamedUpdate:
 
     def slots(self, count: int) -> list[int]:
         """How many of `stages`' groups to dispatch after each of `count` programs that the
-        update runs between (the next step's microbatches): as evenly as the groups go, at
-        most the groups fetched ahead each, so that a slot's groups are on their way before
-        the program before them is dispatched and their copies run beside it. Groups past
-        the slots run after the last program."""
-        n = len(self.groups)
-        each = min(self.ahead, -(-n // count)) if count else 0
-        return [max(0, min(each, n - each * i)) for i in range(count)]
+        update runs between (the next step's microbatches): one a program (a group is a
+        slot's, `Plan.slot_bytes`), fetched before the program before it is dispatched so
+        that its copies run beside it. Groups past the slots run after the last program."""
+        return [int(i < len(self.groups)) for i in range(count)]
 
     def stages(
         self,
