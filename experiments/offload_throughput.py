@@ -5,6 +5,13 @@
 Every run checks that the offloaded policy gives the same losses as `none` on the same data
 (XLA has had wrong-gradient bugs in offloaded programs on GPU), and reports the peak device
 memory each policy needs.
+
+`--steps -1` plans and compiles each variant without running it (`throughput.child`), with
+COMPILE_FOR_DEVICES=1 also on a machine without a GPU (`throughput.compile_only_devices`):
+
+    COMPILE_FOR_DEVICES=1 GPU_TARGET_CONFIG=experiments/gpu_targets/h200.txtpb GPU_HOST_GIB=120 \
+      JAX_PLATFORMS=cpu python experiments/offload_throughput.py --steps -1 --only NAME \
+      -- --config.offload.device_gib=132.81
 """
 
 import argparse
@@ -339,13 +346,15 @@ def main() -> int:
         "--baselines", help="directory of the peer baselines: runs hf_deepspeed_offload.py too"
     )
     p.add_argument("--copy-rates", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="config overrides for every variant, after --")
     args = p.parse_args()
     if args.copy_rates:
         print(json.dumps(copy_rates()), flush=True)
         return 0
-    rates = run([sys.executable, __file__, "--copy-rates"], ROOT)
-    print("host<->device copies:", json.dumps(rates), flush=True)
-    results = [{**rates, "system": "copy rates"}]
+    results = [{"system": "copy rates"}]  # Nothing is copied when nothing runs.
+    if args.steps >= 0:
+        results[0].update(run([sys.executable, __file__, "--copy-rates"], ROOT))
+        print("host<->device copies:", json.dumps(results[0]), flush=True)
     for name, config, overrides, steps in VARIANTS:
         parts = args.only.split(";")
         if args.only and not any(name == p[1:] if p[:1] == "=" else p in name for p in parts):
@@ -354,7 +363,8 @@ def main() -> int:
         # Every variant times steps after --warmup ones: the pinned-host pool grows (cuMemHostAlloc,
         # 2.4 GB/s on the H200) as late as the second step, and a timed step that grows it is not
         # the steady state (profile, 2026-12-03: 13.8 s of a 29 s 8B step).
-        steps = args.steps if steps is None else steps
+        steps = args.steps if steps is None or args.steps < 0 else steps
+        overrides = [*overrides, *args.overrides]
         timing = run_ours(config_path, overrides, steps, args.warmup)
         results.append({**timing, "system": name, "overrides": overrides})
         print(json.dumps(results[-1]), flush=True)
@@ -368,6 +378,12 @@ def main() -> int:
     head = ("variant", "step s", "tokens/s", "MFU", "peak GiB", "fwd+bwd", "update", "GB/s")
     print("\n{:<52} {:>7} {:>9} {:>6} {:>8} {:>7} {:>7} {:>6}  losses".format(*head))
     for r in results[1:]:
+        if r.get("fits"):  # Planned and compiled only.
+            print(
+                f"{r['system']:<52} compiled: planned {r['planned_device_gib']:.1f} GiB, "
+                f"temporaries {r['compiled_temp_gib']:.1f} GiB, kernels {r['kernels']}"
+            )
+            continue
         if "tokens_per_s" not in r:
             print(f"{r['system']:<40} failed: {r.get('error')}")
             continue

@@ -126,6 +126,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         planned={s: b / 2**30 for s, b in exp.plan.state_bytes.items()},
         resident_chunks=len(exp.plan.resident),
         copies_beside_step=exp.plan.copies_beside_step,
+        # The delayed update between microbatches: its groups' bytes (0: after the step).
+        slot_gib=exp.plan.slot_bytes / 2**30,
         hybrid_update=exp.plan.cpu_note,
         build_s=build_s,
         compile_s=time.perf_counter() - start,
@@ -136,6 +138,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         compiled = program_report(program, overrides)
         if compile_for:
             compiled["compiled_for_devices"] = compile_for
+            compiled["compiled_for"] = devices[0].device_kind
         return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan, **compiled)
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
@@ -220,18 +223,36 @@ def program_report(program, overrides: list[str]) -> dict:
 
 
 def compile_only_devices(n: int) -> list:
-    """n of JAX's compile-only devices of this machine's GPU kind, as one host's (a described
-    topology): a program for n GPUs compiles here from shapes, with that many fewer GPUs (or
-    one), and nothing of it runs."""
+    """n of JAX's compile-only devices of one host's GPUs (a described topology): a program
+    for n GPUs compiles here from shapes, and nothing of it runs. On a GPU machine they are of
+    its GPU's kind. On one without a GPU they are of the kind GPU_TARGET_CONFIG describes (an
+    XLA GPU target description, e.g. experiments/gpu_targets/h200.txtpb; JAX's CUDA plugin
+    installed, JAX_PLATFORMS=cpu), and the trainer plans and picks kernels as on that GPU:
+    `jax.default_backend` answers gpu, and the host memory the planner finds is GPU_HOST_GIB
+    (the GPU machine's; the device's budget is config.offload.device_gib)."""
     import jax
     from jax.experimental import topologies
 
+    target = os.environ.get("GPU_TARGET_CONFIG")
+    described = {}
     if jax.default_backend() != "gpu":
-        raise SystemExit(
-            f"COMPILE_FOR_DEVICES={n}: compile-only devices are described for CUDA GPUs, and "
-            f"this backend is {jax.default_backend()}; run it on a GPU machine"
-        )
-    return topologies.get_topology_desc("compile-only", "cuda", topology=f"1x1x{n}").devices
+        if not target:
+            raise SystemExit(
+                f"COMPILE_FOR_DEVICES={n}: compile-only devices are described for CUDA GPUs, and "
+                f"this backend is {jax.default_backend()}: run it on a GPU machine, or set "
+                "GPU_TARGET_CONFIG to a GPU's target description (experiments/gpu_targets/)"
+            )
+        from angel_jax.offload import planner
+
+        described["target_config"] = pathlib.Path(target).read_text()
+        jax.default_backend = lambda: "gpu"  # The programs are for the described GPU.
+        host_gib = float(os.environ.get("GPU_HOST_GIB") or 0)
+        if host_gib:
+            planner._host_available = lambda: int(host_gib * 2**30)
+    topology = topologies.get_topology_desc(
+        "compile-only", "cuda", topology=f"1x1x{n}", **described
+    )
+    return topology.devices
 
 
 def timed(fn, *args, reps=10) -> float:
@@ -455,7 +476,11 @@ def machine() -> dict:
         python=platform.python_version(),
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        env={k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "MALLOC_"))},
+        env={
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("XLA_", "JAX_", "MALLOC_", "GPU_", "COMPILE_FOR_"))
+        },
     )
 
 

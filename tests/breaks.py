@@ -505,7 +505,8 @@ BREAKS = [
         '"new compute params": 0},',
         [
             "tests/test_offload.py::"
-            "test_update_between_microbatches_plans_its_chunks_and_new_compute_copy"
+            "test_update_between_microbatches_plans_its_chunks_and_new_compute_copy",
+            "tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan",
         ],
     ),
     (
@@ -536,6 +537,46 @@ BREAKS = [
         [
             "tests/test_offload.py::"
             "test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones"
+        ],
+    ),
+    (
+        "chunks larger than a slot keep their place in the update between microbatches",
+        "angel_jax/offload/planner.py",
+        "    return first + [k for k, f in enumerate(fits) if not f]",
+        "    return list(range(len(sizes)))",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
+        ],
+    ),
+    (
+        "a group larger than a slot is fetched beside the last microbatch",
+        "angel_jax/offload/stream.py",
+        "            if nxt < n and (nxt < self.between_groups or g >= self.between_groups):",
+        "            if nxt < n:",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
+        ],
+    ),
+    (
+        "a group larger than a slot stays beside the next step's first microbatch",
+        "angel_jax/offload/stream.py",
+        "        keep = self.leaving if self.beside_step and self.between_groups == n else 0",
+        "        keep = self.leaving if self.beside_step else 0",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
+        ],
+    ),
+    (
+        "groups larger than a slot are dispatched between microbatches",
+        "angel_jax/offload/stream.py",
+        "        return [int(i < self.between_groups) for i in range(count)]",
+        "        return [int(i < len(self.groups)) for i in range(count)]",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
         ],
     ),
     (

@@ -2,6 +2,7 @@
 run on the CPU."""
 
 import json
+import os
 import pathlib
 import re
 import sys
@@ -298,3 +299,26 @@ def test_the_fused_update_probe_checks_its_programs_against_their_parts(tmp_path
     assert fused_update_probe.main() == 0
     systems = [r["system"] for r in json.loads(out.read_text())["results"]]
     assert "update beside the backward pass, unrolled layers" in systems
+
+
+def test_a_step_compiles_for_a_described_gpu_on_a_machine_without_one(tmp_path):
+    """COMPILE_FOR_DEVICES with GPU_TARGET_CONFIG: the trainer plans and compiles its step for
+    the H200 that experiments/gpu_targets/h200.txtpb describes, with the GPU's kernels (cuDNN
+    attention), on a machine without a GPU. Needs JAX's CUDA plugin (not in the test
+    requirements: about 3 GB of NVIDIA libraries), where it runs; skipped elsewhere."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin is not installed")
+    root = pathlib.Path(throughput.ROOT)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("XLA_")},
+        "COMPILE_FOR_DEVICES": "1",
+        "GPU_TARGET_CONFIG": str(root / "experiments/gpu_targets/h200.txtpb"),
+        "GPU_HOST_GIB": "120",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, str(root / "experiments/throughput.py"), "--config"]
+    cmd += [str(root / "configs/tiny.py"), "--steps", "-1", "--child"]
+    cmd += ["--config.model.dtype=bfloat16", "--config.offload.policy=optimizer"]
+    cmd += ["--config.offload.device_gib=132.81"]
+    result = throughput.run(cmd, tmp_path, env=env)
+    assert result.get("fits") and result["compiled_for"] == "NVIDIA H200", result
+    assert result["kernels"].get("__cudnn$fmhaSoftmax") == 1, result["kernels"]

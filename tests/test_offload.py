@@ -815,6 +815,135 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
     assert second == " ".join(expected), second
 
 
+def _slots_without_the_largest_chunks():
+    """(The delayed update's config between 4 microbatches with a device budget whose room
+    takes slots of the other chunks' even share, the largest chunk's bytes): its two largest
+    chunks are the embedding's and the LM head's, the update's first and last."""
+    kw = dict(DELAYED, offload__cpu_update=0)
+    config = small_config(microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw)
+    loose = build(config, make_mesh(config.mesh), fit_compiled=False)
+    chunks = loose.streamed_update.chunks
+    sizes, tiers = [stream.chunk_bytes(c) for c in chunks], [c.tier for c in chunks]
+    largest = max(sizes)
+    big = [k for k, n in enumerate(sizes) if n == largest]
+    assert big == [0, len(sizes) - 1] and loose.plan.slot_bytes >= largest
+    # The room for slots of the other chunks' even share, as the planner makes them.
+    slot = planner._slot_bytes([n for n in sizes if n < largest], 3)
+    order = planner.slot_order(sizes, tiers, slot)
+    keys = [jax.tree_util.keystr(chunks[k].path) for k in order]
+    parts = [planner.chunk_part(key) for key in keys]
+    groups = planner.group_chunks([sizes[k] for k in order], tiers, parts, 2, slot)
+    compute = jax.tree_util.tree_leaves_with_path(loose.abstract_state.compute_params)
+    weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
+    new_copy = planner._new_compute_bytes(groups, keys, weight_bytes)
+    held = loose.plan.state_bytes
+    without = loose.plan.tier_bytes(DEVICE) - held["chunks beside the step"]
+    without -= held["new compute params"]
+    config.offload.device_gib = (without + 2 * slot + new_copy) / planner.USABLE / 2**30
+    return config, largest
+
+
+def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one():
+    """Where the room beside the microbatches takes slots smaller than the largest chunks (as
+    the 8B's embedding and LM head), those come last, each a group of its own (the embedding
+    is the update's first chunk): they are fetched once the last microbatch is dispatched, not
+    beside it, and the last goes home before the next step, whose microbatches count slots
+    beside them only. The plan counts the two of them after the microbatches."""
+    config, largest = _slots_without_the_largest_chunks()
+    exp = build(config, make_mesh(config.mesh), fit_compiled=False)
+    plan, update = exp.plan, exp.streamed_update
+    assert plan.update_between_microbatches and plan.slot_bytes < largest
+    n = len(update.groups)
+    last = len(update.chunks) - 1
+    assert update.groups[-2:] == [[last - 1], [last]], update.groups
+    assert [stream.chunk_bytes(c) for c in update.chunks[-2:]] == [largest] * 2
+    # Not between microbatches, however many there are.
+    assert update.between_groups == n - 2 and update.slots(n + 1) == [1] * (n - 2) + [0] * 3
+    assert plan.state_bytes["update chunks"] == 2 * largest
+
+    events = []
+    microbatch, fetch, send_off = exp.steps.program, update._fetch, update._send_off
+
+    def logged_microbatch(*args):
+        events.append("microbatch")
+        return microbatch(*args)
+
+    def logged_fetch(g, *args):
+        events.append(f"fetch {g}")
+        return fetch(g, *args)
+
+    def logged_send_off(entry):
+        events.append(f"home {entry[3]}")
+        return send_off(entry)
+
+    exp.steps.program, update._fetch = logged_microbatch, logged_fetch
+    update._send_off = logged_send_off
+    state = exp.init_state()
+    for rows in make_batches(config)[:2]:  # The second step runs the first one's update.
+        events.clear()
+        state, _ = exp.train_step(state, exp.global_batch(rows))
+    last_microbatch = max(i for i, e in enumerate(events) if e == "microbatch")
+    assert events.index(f"fetch {n - 2}") > last_microbatch, events
+    assert events[-1] == f"home {n - 1}", events  # Home before the next step.
+
+
+def _device_bytes(device) -> int:
+    """The bytes of the live arrays' buffers on `device`'s device memory (once each: an
+    array's shards are arrays too)."""
+    buffers = {}
+    for x in jax.live_arrays():
+        if x.is_deleted() or x.sharding.memory_kind not in (None, "device"):
+            continue
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
+
+
+@pytest.mark.parametrize("larger_chunks_after", [False, True])
+def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_after, monkeypatch):
+    """What the device holds as the runtime sees it (its live arrays, the allocator's view)
+    at each microbatch's dispatch, with that program's temporaries, and at each group's, is
+    within the plan's peak with those temporaries, as `check_compiled` counts it: the fetched
+    group and the one on its way home, the waiting grads as they go and the new compute copy
+    as it comes. (On the H200 the 8B's first delayed run had three groups on the device, and
+    a new copy the plan undercounted: out of device memory at its third step.)
+
+    As on a GPU, no copy is found done before it is waited for (on the CPU they are done at
+    once, and the groups on their way home would go early)."""
+    monkeypatch.setattr(stream, "_done", lambda x: not isinstance(x, jax.Array) or x.is_deleted())
+    if larger_chunks_after:
+        config, _ = _slots_without_the_largest_chunks()
+    else:  # The host cores' chunks stay out: on the CPU they are the device's arrays.
+        kw = dict(DELAYED, offload__cpu_update=0)
+        config = small_config(
+            microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw
+        )
+    exp = build(config, make_mesh(config.mesh), fit_compiled=False)
+    assert exp.steps.between_microbatches
+    update, device = exp.streamed_update, jax.devices()[0]
+    assert (update.between_groups < len(update.groups)) == larger_chunks_after
+    microbatch, fn = exp.steps.program, update._fn
+    temps = microbatch.memory_analysis().temp_size_in_bytes
+    held = []
+
+    def logged_microbatch(*args):
+        held.append(_device_bytes(device) + temps)
+        return microbatch(*args)
+
+    def logged_fn(ks, *args):
+        held.append(_device_bytes(device))
+        return fn(ks, *args)
+
+    exp.steps.program, update._fn = logged_microbatch, logged_fn
+    before = _device_bytes(device)  # Other tests' arrays still alive in this process.
+    state = exp.init_state()
+    for rows in make_batches(config)[:3]:
+        state, _ = exp.train_step(state, exp.global_batch(rows))
+    peak = planner.compiled_peak(exp.plan, temps)
+    assert max(held) - before <= peak, (held, before, peak)
+
+
 def test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones(
     monkeypatch,
 ):
@@ -918,6 +1047,7 @@ def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(mon
     temps = exact.steps.program.memory_analysis().temp_size_in_bytes
     held = {s: exact.plan.state_bytes[s] for s in ("layer inputs", "microbatch grads")}
     estimate, over = planner.activation_bytes, 2 * exact.plan.slot_bytes
+    over += exact.plan.state_bytes["new compute params"]  # No room for slots at all.
     wrong = lambda c, m, r: {**estimate(c, m, r), "activations": temps + over - sum(held.values())}
     monkeypatch.setattr(planner, "activation_bytes", wrong)
     monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))

@@ -111,9 +111,10 @@ class Plan:
     # microbatches: the bytes of each of its groups, one dispatched after each microbatch
     # but the last, with one group fetched and one on its way home beside each microbatch
     # ("chunks beside the step"), and its new compute copy made beside the one they read
-    # ("new compute params"). 0: the update runs after the step (no delay, no microbatches,
-    # layer streaming, a pipeline, the update inside the step, no chunk moved, or no room
-    # beside the microbatches for two of the largest chunks).
+    # ("new compute params"); chunks larger than a slot run after the last microbatch
+    # (`slot_order`). 0: the update runs after the step (no delay, no microbatches, layer
+    # streaming, a pipeline, the update inside the step, no chunk moved, or no room beside
+    # the microbatches for slots that take most of the moved bytes).
     slot_bytes: int = 0
 
     @property
@@ -516,6 +517,26 @@ def _new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes
     return most
 
 
+def _slot_bytes(moved: list[int], slots: int, most: float = math.inf) -> int:
+    """The bytes of a slot for the `moved` chunks' bytes that are at most `most`: an even
+    share of theirs over the `slots` with `SLOT_MARGIN`, at least their largest, at most
+    `most`; 0 if none is."""
+    fitting = [n for n in moved if n <= most]
+    if not fitting:
+        return 0
+    return int(min(most, max(max(fitting), SLOT_MARGIN * sum(fitting) / slots)))
+
+
+def slot_order(sizes: list[int], tiers: list[str], slot_bytes: int) -> list[int]:
+    """The order of an update between microbatches' chunks (indices into `sizes`, their
+    bytes, and `tiers`): the update's own order for those that fit a slot (resident ones
+    move nothing), then the larger ones, which run after the last microbatch (on the 8B,
+    the embedding's and the LM head's, 5.9 GiB each against slots of 4.8)."""
+    fits = [tier == DEVICE or size <= slot_bytes for tier, size in zip(tiers, sizes, strict=True)]
+    first = [k for k, f in enumerate(fits) if f]
+    return first + [k for k, f in enumerate(fits) if not f]
+
+
 def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
     """`plan` (with none resident yet, or fewer) with update chunks `resident` on the device."""
     state_bytes, placement = dict(plan.state_bytes), dict(plan.placement)
@@ -545,8 +566,9 @@ def _with_step_chunks(
     with `copies_beside_step` off. A delayed update that may run between the next step's
     `slots` + 1 microbatches takes groups as large as spreads its moved chunks over the
     slots, or as the room beside the microbatches for two of them beside its new compute copy
-    allows (`Plan.slot_bytes`, `_new_compute_bytes` with `weight_bytes`); with no room for
-    two of its largest chunks it runs after the step, which then holds no new compute copy.
+    allows (`Plan.slot_bytes`, `_new_compute_bytes` with `weight_bytes`); chunks larger than
+    that run after the last microbatch, two at a time. Where those would be most of the
+    moved bytes it runs after the step, which then holds no new compute copy.
     With the update inside the step (`in_step`, config.offload.update_in_step) its chunks in
     flight instead ("chunks in the step"): at most `in_flight` of the moved ones, counted as
     the largest; speculating (config.offload.speculative_update), the old state the step
@@ -582,21 +604,36 @@ def _with_step_chunks(
         without = dataclasses.replace(plan, state_bytes=held, placement=placement)
         room = USABLE * plan.budget[DEVICE] - without.tier_bytes(DEVICE)
         # A group a slot, with a margin for packing whole chunks; smaller while the groups'
-        # new compute copy leaves no room for two of them.
-        slot = int(max(max(moved), SLOT_MARGIN * sum(moved) / slots))
+        # new compute copy leaves no room for two of them, and chunks larger than a slot
+        # (`limit`) after the last microbatch where not even they fit.
         weights = [key[0] for key, _ in updated]
         parts = [chunk_part(w) for w in weights]
-        for _ in range(4):
-            groups = group_chunks(sizes, tiers, parts, 2, slot)
-            new_copy = _new_compute_bytes(groups, weights, weight_bytes)
-            fits = (room - new_copy) // 2
-            if slot <= fits or fits < max(moved):
+        limit = math.inf
+        for _ in range(16):
+            slot = _slot_bytes(moved, slots, limit)
+            if not slot:
                 break
-            slot = int(fits)
+            order = slot_order(sizes, tiers, slot)
+            groups = group_chunks(*([x[k] for k in order] for x in (sizes, tiers, parts)), 2, slot)
+            new_copy = _new_compute_bytes(groups, [weights[k] for k in order], weight_bytes)
+            fits = (room - new_copy) // 2
+            if slot <= fits:
+                break
+            largest = max(n for n in moved if n <= limit)
+            limit = fits if fits >= largest else largest - 1
         else:
-            slot = 0  # Still shrinking: no room to settle on.
-        if max(moved) <= slot <= (room - new_copy) // 2 and slot:
-            in_flight_bytes = {"chunks beside the step": 2 * slot, "update chunks": 2 * slot}
+            slot = 0
+        after = sum(n for n in moved if n > slot)
+        # Taken when it hides most of the update; else the room goes to resident chunks.
+        if slot and 2 * after < sum(moved):
+            moved_bytes = lambda ks: sum(sizes[order[i]] for i in ks if tiers[order[i]] != DEVICE)
+            group_bytes = [moved_bytes(ks) for ks in groups]
+            # After the microbatches two groups at a time, the larger ones among them.
+            pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:], strict=False)]
+            in_flight_bytes = {
+                "chunks beside the step": 2 * slot,
+                "update chunks": max([2 * slot, *pairs]),
+            }
             return dataclasses.replace(
                 plan,
                 state_bytes={**held, **in_flight_bytes, "new compute params": new_copy},
@@ -992,6 +1029,14 @@ class CompiledTooLarge(ConfigError):
         self.beyond_estimate = beyond_estimate
 
 
+def compiled_peak(plan: Plan, temp_bytes: int) -> int:
+    """The plan's device peak with a compiled step's temporaries, `temp_bytes`, in place of
+    the planner's estimate of the states they hold (`IN_TEMPORARIES` on the device)."""
+    on_device = [s for s in IN_TEMPORARIES if plan.placement.get(s) == DEVICE]
+    compiled = {**plan.state_bytes, **dict.fromkeys(on_device, 0), "activations": temp_bytes}
+    return dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
+
+
 def check_compiled(plan: Plan, memory) -> int:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
     device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
@@ -1003,9 +1048,7 @@ def check_compiled(plan: Plan, memory) -> int:
         return 0
     on_device = [s for s in IN_TEMPORARIES if plan.placement.get(s) == DEVICE]
     estimate = sum(plan.state_bytes[s] for s in on_device)
-    compiled = {**plan.state_bytes, **dict.fromkeys(on_device, 0)}
-    compiled["activations"] = memory.temp_size_in_bytes
-    need = dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
+    need = compiled_peak(plan, memory.temp_size_in_bytes)
     usable = USABLE * plan.budget[DEVICE]
     excess = memory.temp_size_in_bytes - estimate
     if need > usable:

@@ -30,6 +30,7 @@ from angel_jax.offload.planner import (
     flight,
     group_chunks,
     local_bytes,
+    slot_order,
 )
 from angel_jax.optim import Optimizer
 
@@ -237,7 +238,9 @@ class StreamedUpdate:
     A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
     takes groups of that many bytes moved, two on the device at most (one fetched, one on its
     way home; config.offload.chunks_in_flight does not apply): `stages` stops after each, so
-    that a microbatch is dispatched between them (`slots`).
+    that a microbatch is dispatched between them (`slots`). Chunks larger than a slot come
+    last, groups of their own, fetched after the last microbatch, and the last of them goes
+    home before the next step.
     """
 
     def __init__(
@@ -262,10 +265,18 @@ class StreamedUpdate:
         self.ahead, self.leaving = flight(in_flight)
         if slot_bytes:  # One left on its way home, beside the next step's first fetched.
             self.leaving = 1
+            # Chunks larger than a slot last: they run after the last microbatch.
+            tiers = [c.tier for c in self.chunks]
+            order = slot_order([chunk_bytes(c) for c in self.chunks], tiers, slot_bytes)
+            self.chunks = [self.chunks[k] for k in order]
         sizes = [chunk_bytes(c) for c in self.chunks]
         tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
         self.groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
         self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
+        # The groups that may run between microbatches, first: the others' moved bytes are
+        # more than a slot's (`slot_order`), so they are fetched after the last microbatch.
+        moved = lambda ks: sum(sizes[k] for k in ks if tiers[k] != DEVICE)
+        self.between_groups = sum(not slot_bytes or moved(ks) <= slot_bytes for ks in self.groups)
         # Per weight (flat index), the last group that updates it.
         self._last_group = {
             self.chunks[k].weight: g for g, ks in enumerate(self.groups) for k in ks
@@ -316,7 +327,7 @@ class StreamedUpdate:
         self._delete_ready()  # The groups home leave the device before more come.
         if not self.beside_step:
             return {}
-        first = range(min(self.ahead, len(self.groups)))
+        first = range(min(self.ahead, self.between_groups))
         return {g: self._fetch(g, masters, states) for g in first if self._home(g, masters, states)}
 
     def _home(self, g: int, masters: list, states: list) -> bool:
@@ -383,8 +394,9 @@ class StreamedUpdate:
         """How many of `stages`' groups to dispatch after each of `count` programs that the
         update runs between (the next step's microbatches): one a program (a group is a
         slot's, `Plan.slot_bytes`), fetched before the program before it is dispatched so
-        that its copies run beside it. Groups past the slots run after the last program."""
-        return [int(i < len(self.groups)) for i in range(count)]
+        that its copies run beside it. Groups past the slots, and those larger than a slot,
+        run after the last program."""
+        return [int(i < self.between_groups) for i in range(count)]
 
     def stages(
         self,
@@ -420,7 +432,7 @@ class StreamedUpdate:
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
         fetched = dict(self.prefetch(masters, states) if fetched is None else fetched)
-        for g in range(min(self.ahead, len(groups))):  # Those `prefetch` left.
+        for g in range(min(self.ahead, self.between_groups)):  # Those `prefetch` left.
             if g not in fetched:
                 fetched[g] = self._fetch(g, masters, states)
         stacked = {c.weight for c in chunks if c.layer is not None}
@@ -439,6 +451,9 @@ class StreamedUpdate:
         yield  # The first groups are on their way.
         for g, ks in enumerate(groups):
             group = [chunks[k] for k in ks]
+            if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
+                self._make_room(fetched)
+                fetched[g] = self._fetch(g, masters, states)
             if group[0].tier == SSD:
                 master, state = (f.result() for f in fetched.pop(g))
                 leaves = self._move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
@@ -488,12 +503,10 @@ class StreamedUpdate:
                 if device_outs:  # A group resident on the device has nothing on its way.
                     self._leaving.append([self._moved(ks, outs), device_outs, old, g])
             nxt = g + self.ahead
-            if nxt < n:
-                # Groups on their way home (this update's, or the last one's) and fetched
-                # ones: at most `in_flight`, the oldest waited for (not those found home
-                # meanwhile: the schedule does not depend on the copies' timing).
-                while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:
-                    self._send_off(self._leaving.popleft())
+            # The first group larger than a slot waits for the microbatches (it is fetched
+            # when its turn comes, after the last one).
+            if nxt < n and (nxt < self.between_groups or g >= self.between_groups):
+                self._make_room(fetched)
                 fetched[nxt] = self._fetch(nxt, masters, states)
             on_device = [*fetched, *(e[3] for e in self._leaving)]
             self.most_in_flight = max(self.most_in_flight, len(on_device))
@@ -505,7 +518,8 @@ class StreamedUpdate:
         # step, as many as the planner counts (`planner.beside_step_groups`): older ones, and
         # the last update's (with fewer groups than that they would pile up), are waited for
         # first, and only then the ones home meanwhile go (else an older one would stay).
-        keep = self.leaving if self.beside_step else 0
+        # A group larger than a slot does not stay beside the next step's microbatch.
+        keep = self.leaving if self.beside_step and self.between_groups == n else 0
         while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
             self._send_off(self._leaving.popleft())
         self._delete_ready()
@@ -545,6 +559,13 @@ class StreamedUpdate:
             else:
                 still.append(entry)
         self._leaving = still
+
+    def _make_room(self, fetched: dict) -> None:
+        """Sends off groups on their way home (this update's, or the last one's) until one
+        more fetched leaves at most `in_flight` on the device, the oldest waited for (not
+        those found home meanwhile: the schedule does not depend on the copies' timing)."""
+        while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:
+            self._send_off(self._leaving.popleft())
 
     @staticmethod
     def _send_off(entry: list) -> None:
