@@ -9,7 +9,10 @@ peak memory, and each system's ratio to the plain JAX baseline.
 `--child CONFIG [overrides]` is the per-variant worker for our runs. Every experiment's
 child processes go through `run`: with RUN_TIMEOUT_S=N in the environment each is stopped after
 N seconds and recorded as timed out, and the experiment goes on to its next run (a device
-call's time limit otherwise ends the whole job, and its file, at the first slow child).
+call's time limit otherwise ends the whole job, and its file, at the first slow child); with
+RUN_LOG_DIR=DIR each child's stderr is kept in a file there. With TRACE_DISPATCH_MEMORY=1 a
+child records the device allocator at each of an offloaded step's dispatches
+(`trace_dispatch_memory`).
 """
 
 import argparse
@@ -140,6 +143,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
             compiled["compiled_for_devices"] = compile_for
             compiled["compiled_for"] = devices[0].device_kind
         return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan, **compiled)
+    traced = trace_dispatch_memory(exp) if os.environ.get("TRACE_DISPATCH_MEMORY") else None
     state = exp.init_state()
     batches = make_batches(config).iterate(0)
     warmup_losses = []  # Same data every run: lets variants be checked against each other.
@@ -182,6 +186,7 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         seq=t.seq_len,
         **compiled,  # Kernels, collectives and their schedule.
         **breakdown,
+        **({"dispatch_memory": summarize_dispatch_memory(traced)} if traced else {}),
     )
 
 
@@ -390,6 +395,51 @@ def collective_schedule(hlo_text: str) -> dict:
     return out
 
 
+def trace_dispatch_memory(exp) -> list[tuple[str, int, int]]:
+    """(program, bytes in use, largest free block) of the device allocator as each of an
+    offloaded step's programs is dispatched (a microbatch's, or a group of the streamed
+    update's), from here on; each also printed to stderr as it comes, so that a run that dies
+    out of memory leaves them in its log. The allocator's view at a dispatch is the host's
+    (PJRT allocates then): a microbatch's temporaries need one block of their size, so a largest
+    free block below them with the bytes in use within the plan is a fragmented pool, not a
+    plan overrun."""
+    device, out = exp.mesh.devices.flat[0], []
+
+    def traced(name, fn):
+        def call(*args, **kwargs):
+            stats = device.memory_stats() or {}
+            row = (name, stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", 0))
+            out.append(row)
+            used, free = (f"{b / 2**30:.2f} GiB" for b in row[1:])
+            print(f"dispatch {name}: in use {used}, largest free block {free}", file=sys.stderr)
+            return fn(*args, **kwargs)
+
+        return call
+
+    steps = exp.steps
+    if getattr(steps, "between_microbatches", False):
+        steps.program = traced("microbatch", steps.program)  # `_microbatched` reads it.
+    update = exp.streamed_update
+    if update is not None:
+        fn = update._fn
+        update._fn = lambda ks, *args: traced("update group", fn(ks, *args))
+    return out
+
+
+def summarize_dispatch_memory(traced: list) -> dict:
+    """Per program name: the most bytes in use and the smallest largest free block at its
+    dispatches, GiB."""
+    out = {}
+    for name, used, free in traced:
+        row = out.setdefault(name, {"dispatches": 0, "most_in_use_gib": 0.0})
+        row["dispatches"] += 1
+        row["most_in_use_gib"] = max(row["most_in_use_gib"], used / 2**30)
+        row["least_largest_free_gib"] = min(
+            row.get("least_largest_free_gib", math.inf), free / 2**30
+        )
+    return out
+
+
 def offload_breakdown(exp, state, batch) -> dict:
     """One more step of an offloaded run, its two parts timed on their own: the jitted
     forward/backward, and the streamed update with the bytes it copies each way."""
@@ -440,9 +490,15 @@ def run_ours(
 
 def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) -> dict:
     """The last JSON line `cmd` prints, or its exit code and last lines; `log` keeps all of its
-    stderr, written as it comes (a run killed from outside leaves it). RUN_TIMEOUT_S (seconds,
-    0 or unset: none) limits it."""
+    stderr, written as it comes (a run killed from outside leaves it; with RUN_LOG_DIR set and
+    no `log`, a numbered file there, named in the result). RUN_TIMEOUT_S (seconds, 0 or unset:
+    none) limits it."""
     limit = float(os.environ.get("RUN_TIMEOUT_S") or 0) or None
+    if log is None and os.environ.get("RUN_LOG_DIR"):
+        logs = pathlib.Path(os.environ["RUN_LOG_DIR"])
+        number = len(list(logs.glob("child_*.log"))) if logs.exists() else 0
+        log = str(logs / f"child_{number:02d}.log")
+    named = {"log": log} if log else {}
     if log:
         pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as f:
@@ -456,14 +512,14 @@ def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) ->
         stderr = f.read()
     if proc is None:
         tail = stderr.strip().splitlines()[-3:]
-        return dict(error=[f"timed out after {limit:.0f} s (RUN_TIMEOUT_S)", *tail])
+        return dict(error=[f"timed out after {limit:.0f} s (RUN_TIMEOUT_S)", *tail], **named)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         output = (stderr or proc.stdout).strip().splitlines()
         # The error's own lines (a traceback's last lines may be XLA's op locations only).
         errors = [line for line in output if "Error" in line or "error:" in line][-3:]
-        return dict(error=[f"exit code {proc.returncode}", *errors, *output[-5:]])
-    return json.loads(lines[-1])
+        return dict(error=[f"exit code {proc.returncode}", *errors, *output[-5:]], **named)
+    return {**json.loads(lines[-1]), **named}
 
 
 def machine() -> dict:

@@ -322,3 +322,13 @@ def test_a_step_compiles_for_a_described_gpu_on_a_machine_without_one(tmp_path):
     result = throughput.run(cmd, tmp_path, env=env)
     assert result.get("fits") and result["compiled_for"] == "NVIDIA H200", result
     assert result["kernels"].get("__cudnn$fmhaSoftmax") == 1, result["kernels"]
+
+
+def test_dispatch_memory_keeps_the_most_in_use_and_the_smallest_largest_free_block():
+    gib = 2**30
+    rows = [("microbatch", 90 * gib, 40 * gib), ("update group", 60 * gib, 70 * gib)]
+    rows += [("microbatch", 95 * gib, 30 * gib)]
+    assert throughput.summarize_dispatch_memory(rows) == {
+        "microbatch": {"dispatches": 2, "most_in_use_gib": 95.0, "least_largest_free_gib": 30.0},
+        "update group": {"dispatches": 1, "most_in_use_gib": 60.0, "least_largest_free_gib": 70.0},
+    }
