@@ -1,6 +1,7 @@
 """ZeRO-Cache: the planner's placements and refusals, and offloaded training equal to on-device."""
 
 import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -885,6 +886,28 @@ def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_la
     last_microbatch = max(i for i, e in enumerate(events) if e == "microbatch")
     assert events.index(f"fetch {n - 2}") > last_microbatch, events
     assert events[-1] == f"home {n - 1}", events  # Home before the next step.
+
+
+def test_update_between_microbatches_with_chunks_after_them_trains_alike():
+    """The update with its largest chunks after the microbatches (`slot_order`) is the same
+    update in another order: the same losses and state as the one that runs them between."""
+    tail_config, _ = _slots_without_the_largest_chunks()
+    loose_config = copy.deepcopy(tail_config)
+    loose_config.offload.device_gib = 0.0
+    runs = []
+    for config in (tail_config, loose_config):
+        exp = build(config, make_mesh(config.mesh), fit_compiled=False)
+        assert exp.steps.between_microbatches
+        state, losses = exp.init_state(), []
+        for rows in make_batches(config)[:3]:
+            state, metrics = exp.train_step(state, exp.global_batch(rows))
+            losses.append(float(metrics["loss"]))
+        groups = exp.streamed_update
+        runs.append((losses, exp.settled(state), groups.between_groups < len(groups.groups)))
+    (tail_losses, tail_state, after), (losses, state, none_after) = runs
+    assert after and not none_after
+    assert tail_losses == losses
+    assert_updated_alike(tail_state, state)
 
 
 def _device_bytes(device) -> int:
