@@ -351,15 +351,32 @@ class OffloadedStep(_Offloaded):
         )
 
     @functools.cached_property
-    def _finish_compiled(self) -> jax.stages.Compiled:
+    def _finish_lowered(self) -> jax.stages.Lowered:
         exp = self.exp
         with sharding.use_rules(exp.mesh, exp.rules):
-            lowered = self._finish_jitted.lower(exp.abstract_state.step, self._sums_shapes)
-        compiled = lowered.compile()
+            return self._finish_jitted.lower(exp.abstract_state.step, self._sums_shapes)
+
+    @functools.cached_property
+    def _finish_unchecked(self) -> jax.stages.Compiled:
+        return self._finish_lowered.compile()
+
+    @functools.cached_property
+    def _finish_compiled(self) -> jax.stages.Compiled:
+        compiled = self._finish_unchecked
         # Raises CompiledTooLarge: its temporaries, like a microbatch's, are the step's.
         if self.checks_compiled:
-            check_compiled(exp.plan, compiled.memory_analysis())
+            check_compiled(self.exp.plan, compiled.memory_analysis())
         return compiled
+
+    def reuse_program(self, other: "_Offloaded") -> bool:
+        """`_Offloaded.reuse_program`, and with the update between microbatches in both the
+        program that ends the step too (checked against this plan when used)."""
+        if not super().reuse_program(other):
+            return False
+        finish = self.between_microbatches and getattr(other, "between_microbatches", False)
+        if finish and self._finish_lowered.as_text() == other._finish_lowered.as_text():
+            self._finish_unchecked = other._finish_unchecked
+        return True
 
     def _microbatched(self, step, compute_params, batch_BT1, between=lambda j: None):
         """`_grad_step` dispatched a program a microbatch, `between(j)` called after

@@ -530,6 +530,16 @@ BREAKS = [
         ],
     ),
     (
+        "a plan made again compiles the program that ends the step again",
+        "angel_jax/steps.py",
+        "            self._finish_unchecked = other._finish_unchecked\n",
+        "            pass\n",
+        [
+            "tests/test_offload.py::"
+            "test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the_step"
+        ],
+    ),
+    (
         "a slot's group keeps its old host copies until its update has run",
         "angel_jax/offload/stream.py",
         "                if self.slot_bytes and old:\n",

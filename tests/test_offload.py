@@ -1088,6 +1088,20 @@ def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(mon
     )
 
 
+def test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the_step():
+    """A plan made again for the same programs (`build`'s re-plans) takes the compiled
+    microbatch program and the one that ends the step from the plan before, not compiled
+    again; the latter is checked against the new plan when used."""
+    kw = dict(DELAYED, microbatches=2, offload__delayed_update=True)
+    mesh = make_mesh(small_config().mesh)
+    before = build(small_config(**kw), mesh, fit_compiled=False)
+    _ = before.steps.program  # Both compiled (and checked).
+    again = build(small_config(**kw), mesh, fit_compiled=False)
+    assert again.steps.between_microbatches and again.steps.reuse_program(before.steps)
+    assert again.steps._finish_unchecked is before.steps._finish_unchecked
+    assert again.steps._finish_compiled is before.steps._finish_unchecked
+
+
 def test_delayed_update_needs_an_offloaded_update():
     with pytest.raises(ConfigError, match="delayed_update=true delays the offloaded"):
         build(small_config(offload__delayed_update=True), make_mesh(small_config().mesh))
