@@ -114,6 +114,8 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     # An offloading plan's step may be compiled here, and the plan made again with it.
     exp = build(config, make_mesh(config.mesh, devices))
     build_s = time.perf_counter() - start
+    # In the child's log: a run that fails later records only its error lines.
+    print(exp.plan.table(), file=sys.stderr, flush=True)
     start = time.perf_counter()
     train_step = exp.train_step  # Compiled before the state takes the device's memory.
     # The compiled step; with the optimizer offloaded, the program `build` checks: the
