@@ -278,7 +278,7 @@ class OffloadedStep(_Offloaded):
         temporaries take the microbatch's place."""
         program = self.checked(self.program_compiled)
         if self.between_microbatches:
-            _ = self._finish_compiled
+            _ = self.finish_program
         return program
 
     @functools.cached_property
@@ -361,7 +361,10 @@ class OffloadedStep(_Offloaded):
         return self._finish_lowered.compile()
 
     @functools.cached_property
-    def _finish_compiled(self) -> jax.stages.Compiled:
+    def finish_program(self) -> jax.stages.Compiled:
+        """With the update between microbatches, the program that ends the step (the grad
+        norm, clipping scale and metrics from the microbatches' sums), compiled and checked
+        against the plan."""
         compiled = self._finish_unchecked
         # Raises CompiledTooLarge: its temporaries, like a microbatch's, are the step's.
         if self.checks_compiled:
@@ -386,7 +389,7 @@ class OffloadedStep(_Offloaded):
         for j in range(self.exp.config.train.microbatches):
             sums = microbatch(compute_params, batch_BT1, layer_index(self.exp.mesh, j), sums)
             between(j)
-        step, scale, metrics = self._finish_compiled(step, sums)
+        step, scale, metrics = self.finish_program(step, sums)
         return step, sums[1], scale, metrics
 
     def _beside_microbatches(self, state: TrainState, batch_BT1, fetched):

@@ -108,6 +108,12 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
     base = ["--config.data.synthetic=true", "--config.monitor.on_anomaly=log"]
     config = load_config(config_path, [*base, *overrides])
     compile_for = int(os.environ.get("COMPILE_FOR_DEVICES") or 0)
+    if compile_for and jax.default_backend() != "gpu" and config.offload.device_gib <= 0:
+        raise SystemExit(
+            "COMPILE_FOR_DEVICES without a GPU: the plan's device budget is not measured here; "
+            "set --config.offload.device_gib (132.81 for the H200 at "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)"
+        )
     devices = compile_only_devices(compile_for) if compile_for else None
     steps = -1 if compile_for else steps  # Compile-only devices run nothing.
     start = time.perf_counter()
@@ -138,6 +144,15 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         compile_s=time.perf_counter() - start,
         **compiled_memory(program),
     )
+    if getattr(exp.steps, "between_microbatches", False):  # The step's last program too.
+        finish = exp.steps.finish_program.memory_analysis()
+        plan["finish_temp_gib"] = finish.temp_size_in_bytes / 2**30
+        update = exp.streamed_update
+        beside = min(update.between_groups, config.train.microbatches - 1)
+        plan["update_groups_gib"] = {
+            "beside the microbatches": [n / 2**30 for n in update.moved_bytes[:beside]],
+            "after the last": [n / 2**30 for n in update.moved_bytes[beside:]],
+        }
     if steps < 0:
         t = config.train
         compiled = program_report(program, overrides)
@@ -251,11 +266,15 @@ def compile_only_devices(n: int) -> list:
             )
         from angel_jax.offload import planner
 
+        host_gib = float(os.environ.get("GPU_HOST_GIB") or 0)
+        if host_gib <= 0:
+            raise SystemExit(
+                "GPU_TARGET_CONFIG: set GPU_HOST_GIB to the GPU machine's available host memory "
+                "(GiB; about 120 on the H200 machine), else the plan takes this machine's"
+            )
         described["target_config"] = pathlib.Path(target).read_text()
         jax.default_backend = lambda: "gpu"  # The programs are for the described GPU.
-        host_gib = float(os.environ.get("GPU_HOST_GIB") or 0)
-        if host_gib:
-            planner._host_available = lambda: int(host_gib * 2**30)
+        planner._host_available = lambda: int(host_gib * 2**30)
     topology = topologies.get_topology_desc(
         "compile-only", "cuda", topology=f"1x1x{n}", **described
     )
@@ -498,8 +517,8 @@ def run(cmd: list[str], cwd, log: str | None = None, env: dict | None = None) ->
     limit = float(os.environ.get("RUN_TIMEOUT_S") or 0) or None
     if log is None and os.environ.get("RUN_LOG_DIR"):
         logs = pathlib.Path(os.environ["RUN_LOG_DIR"])
-        number = len(list(logs.glob("child_*.log"))) if logs.exists() else 0
-        log = str(logs / f"child_{number:02d}.log")
+        taken = [int(p.stem.split("_")[1]) for p in logs.glob("child_*.log")]
+        log = str(logs / f"child_{max(taken, default=-1) + 1:02d}.log")
     named = {"log": log} if log else {}
     if log:
         pathlib.Path(log).parent.mkdir(parents=True, exist_ok=True)

@@ -522,7 +522,7 @@ BREAKS = [
     (
         "the step's last program between microbatches is not checked in build",
         "angel_jax/steps.py",
-        "            _ = self._finish_compiled\n",
+        "            _ = self.finish_program\n",
         "            pass\n",
         [
             "tests/test_offload.py::"
@@ -560,6 +560,16 @@ BREAKS = [
         ],
     ),
     (
+        "the update between microbatches counts only chunks larger than a slot as after them",
+        "angel_jax/offload/planner.py",
+        "            after = sum(group_bytes[beside:])\n",
+        "            after = sum(n for n in moved if n > slot)\n",
+        [
+            "tests/test_offload.py::"
+            "test_update_between_microbatches_needs_most_of_the_update_beside_them"
+        ],
+    ),
+    (
         "a group larger than a slot is fetched beside the last microbatch",
         "angel_jax/offload/stream.py",
         "            if nxt < n and (nxt < self.between_groups or g >= self.between_groups):",
@@ -576,8 +586,26 @@ BREAKS = [
         "        keep = self.leaving if self.beside_step else 0",
         [
             "tests/test_offload.py::"
-            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
+            "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one",
+            "tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan",
         ],
+    ),
+    (
+        "a group larger than a slot is fetched before one goes home",
+        "angel_jax/offload/stream.py",
+        (
+            "            if g not in fetched:  # Larger than a slot: fetched after the last "
+            "microbatch.\n                self._make_room(fetched)\n"
+        ),
+        "            if g not in fetched:\n",
+        ["tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan"],
+    ),
+    (
+        "the plan counts two slots after the microbatches, not the larger groups there",
+        "angel_jax/offload/planner.py",
+        '                "update chunks": max([2 * slot, *pairs]),\n',
+        '                "update chunks": 2 * slot,\n',
+        ["tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan"],
     ),
     (
         "groups larger than a slot are dispatched between microbatches",

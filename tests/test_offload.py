@@ -816,32 +816,54 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
     assert second == " ".join(expected), second
 
 
-def _slots_without_the_largest_chunks():
-    """(The delayed update's config between 4 microbatches with a device budget whose room
-    takes slots of the other chunks' even share, the largest chunk's bytes): its two largest
-    chunks are the embedding's and the LM head's, the update's first and last."""
-    kw = dict(DELAYED, offload__cpu_update=0)
-    config = small_config(microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw)
+def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:
+    """(The device budget, GiB, whose room beside the microbatches takes two slots of
+    `slot_bytes(sizes)` bytes and the new compute copy of their groups, as the planner makes
+    them; the moved chunks' bytes `sizes`, in the update's order) for `config`'s delayed
+    update between microbatches."""
     loose = build(config, make_mesh(config.mesh), fit_compiled=False)
+    assert loose.plan.update_between_microbatches
     chunks = loose.streamed_update.chunks
     sizes, tiers = [stream.chunk_bytes(c) for c in chunks], [c.tier for c in chunks]
-    largest = max(sizes)
-    big = [k for k, n in enumerate(sizes) if n == largest]
-    assert big == [0, len(sizes) - 1] and loose.plan.slot_bytes >= largest
-    # The room for slots of the other chunks' even share, as the planner makes them.
-    slot = planner._slot_bytes([n for n in sizes if n < largest], 3)
+    slot = slot_bytes(sizes)
     order = planner.slot_order(sizes, tiers, slot)
     keys = [jax.tree_util.keystr(chunks[k].path) for k in order]
     parts = [planner.chunk_part(key) for key in keys]
-    groups = planner.group_chunks([sizes[k] for k in order], tiers, parts, 2, slot)
+    in_order = ([x[k] for k in order] for x in (sizes, tiers))
+    groups = planner.group_chunks(*in_order, parts, 2, slot)
     compute = jax.tree_util.tree_leaves_with_path(loose.abstract_state.compute_params)
     weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
     new_copy = planner._new_compute_bytes(groups, keys, weight_bytes)
     held = loose.plan.state_bytes
     without = loose.plan.tier_bytes(DEVICE) - held["chunks beside the step"]
     without -= held["new compute params"]
-    config.offload.device_gib = (without + 2 * slot + new_copy) / planner.USABLE / 2**30
+    return (without + 2 * slot + new_copy) / planner.USABLE / 2**30, sizes
+
+
+def _slots_without_the_largest_chunks():
+    """(The delayed update's config between 4 microbatches with a device budget whose room
+    takes slots of the other chunks' even share, the largest chunk's bytes): its two largest
+    chunks are the embedding's and the LM head's, the update's first and last."""
+    kw = dict(DELAYED, offload__cpu_update=0)
+    config = small_config(microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw)
+    # The slots of the other chunks' even share, as the planner makes them.
+    others = lambda sizes: planner._slot_bytes([n for n in sizes if n < max(sizes)], 3)
+    config.offload.device_gib, sizes = _budget_for_slots(config, others)
+    largest = max(sizes)
+    assert [k for k, n in enumerate(sizes) if n == largest] == [0, len(sizes) - 1]
     return config, largest
+
+
+def test_update_between_microbatches_needs_most_of_the_update_beside_them():
+    """Slots that leave most of the moved bytes after the last microbatch (here the one slot
+    of 2 microbatches takes a third of them: the groups past it wait too) leave the update
+    after the step, and the room to resident chunks."""
+    kw = dict(DELAYED, microbatches=2, offload__delayed_update=True, offload__cpu_update=0)
+    config = small_config(**kw)
+    config.offload.device_gib, sizes = _budget_for_slots(config, lambda sizes: sum(sizes) // 3)
+    assert max(sizes) <= sum(sizes) // 3
+    plan = build(config, make_mesh(config.mesh), fit_compiled=False).plan
+    assert not plan.update_between_microbatches, plan.slot_bytes
 
 
 def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one():
@@ -926,11 +948,14 @@ def _device_bytes(device) -> int:
 @pytest.mark.parametrize("larger_chunks_after", [False, True])
 def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_after, monkeypatch):
     """What the device holds as the runtime sees it (its live arrays, the allocator's view)
-    at each microbatch's dispatch, with that program's temporaries, and at each group's, is
-    within the plan's peak with those temporaries, as `check_compiled` counts it: the fetched
-    group and the one on its way home, the waiting grads as they go and the new compute copy
-    as it comes. (On the H200 the 8B's first delayed run had three groups on the device, and
-    a new copy the plan undercounted: out of device memory at its third step.)
+    is within the plan, each phase against its own count: at each microbatch's dispatch, with
+    that program's temporaries, the step's peak as `check_compiled` counts it (the fetched
+    group and the one on its way home: "chunks beside the step"); at each group's dispatch the
+    update's ("update chunks": two groups, the larger ones after the last microbatch); and
+    beside the next step's first microbatch at most a slot on its way home. Besides, the
+    waiting grads as they go and the new compute copy as it comes. (On the H200 the 8B's
+    first delayed run had three groups on the device, and a new copy the plan undercounted:
+    out of device memory at its third step.)
 
     As on a GPU, no copy is found done before it is waited for (on the CPU they are done at
     once, and the groups on their way home would go early)."""
@@ -943,19 +968,19 @@ def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_a
             microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw
         )
     exp = build(config, make_mesh(config.mesh), fit_compiled=False)
+    plan, update, device = exp.plan, exp.streamed_update, jax.devices()[0]
     assert exp.steps.between_microbatches
-    update, device = exp.streamed_update, jax.devices()[0]
     assert (update.between_groups < len(update.groups)) == larger_chunks_after
     microbatch, fn = exp.steps.program, update._fn
     temps = microbatch.memory_analysis().temp_size_in_bytes
-    held = []
+    at_microbatches, at_groups, left_beside_next = [], [], []
 
     def logged_microbatch(*args):
-        held.append(_device_bytes(device) + temps)
+        at_microbatches.append(_device_bytes(device) + temps)
         return microbatch(*args)
 
     def logged_fn(ks, *args):
-        held.append(_device_bytes(device))
+        at_groups.append(_device_bytes(device))
         return fn(ks, *args)
 
     exp.steps.program, update._fn = logged_microbatch, logged_fn
@@ -963,8 +988,18 @@ def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_a
     state = exp.init_state()
     for rows in make_batches(config)[:3]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
-    peak = planner.compiled_peak(exp.plan, temps)
-    assert max(held) - before <= peak, (held, before, peak)
+        left_beside_next.append(sum(update.group_bytes[e[3]] for e in update._leaving))
+    phase = lambda zeroed: {s: 0 if s in zeroed else n for s, n in plan.state_bytes.items()}
+    step = dataclasses.replace(plan, state_bytes=phase(planner.UPDATE_ONLY))
+    after_step = dataclasses.replace(plan, state_bytes=phase(planner.STEP_ONLY))
+    before += 2**14  # The batch, metrics, counters and layer indices: not in the plan.
+    step_peak = planner.compiled_peak(step, temps)
+    assert max(at_microbatches) - before <= step_peak, (at_microbatches, before, step_peak)
+    update_peak = after_step.tier_bytes(DEVICE)
+    assert max(at_groups) - before <= update_peak, (at_groups, before, update_peak)
+    assert update.most_in_flight <= 2
+    assert update.most_bytes_in_flight <= plan.state_bytes["update chunks"]
+    assert max(left_beside_next) <= plan.slot_bytes, (left_beside_next, plan.slot_bytes)
 
 
 def test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones(
@@ -1082,7 +1117,7 @@ def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(mon
     assert not build(config, mesh, fit_compiled=False).plan.update_between_microbatches
     exp = build(config, mesh)
     assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
-    assert "_finish_compiled" in vars(exp.steps)  # The step's last program, checked too.
+    assert "finish_program" in vars(exp.steps)  # The step's last program, checked too.
     assert exp.plan.state_bytes["activations"] == pytest.approx(
         temps - sum(held.values()), rel=0.05
     )
@@ -1099,7 +1134,7 @@ def test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the
     again = build(small_config(**kw), mesh, fit_compiled=False)
     assert again.steps.between_microbatches and again.steps.reuse_program(before.steps)
     assert again.steps._finish_unchecked is before.steps._finish_unchecked
-    assert again.steps._finish_compiled is before.steps._finish_unchecked
+    assert again.steps.finish_program is before.steps._finish_unchecked
 
 
 def test_delayed_update_needs_an_offloaded_update():

@@ -623,11 +623,14 @@ def _with_step_chunks(
             limit = fits if fits >= largest else largest - 1
         else:
             slot = 0
-        after = sum(n for n in moved if n > slot)
-        # Taken when it hides most of the update; else the room goes to resident chunks.
-        if slot and 2 * after < sum(moved):
+        if slot:
             moved_bytes = lambda ks: sum(sizes[order[i]] for i in ks if tiers[order[i]] != DEVICE)
             group_bytes = [moved_bytes(ks) for ks in groups]
+            # After the last microbatch: the groups past the slots, and those larger than one.
+            beside = min(sum(n <= slot for n in group_bytes), slots)
+            after = sum(group_bytes[beside:])
+        # Taken when it hides most of the update; else the room goes to resident chunks.
+        if slot and 2 * after < sum(moved):
             # After the microbatches two groups at a time, the larger ones among them.
             pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:], strict=False)]
             in_flight_bytes = {

@@ -273,10 +273,10 @@ class StreamedUpdate:
         tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
         self.groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
         self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
-        # The groups that may run between microbatches, first: the others' moved bytes are
-        # more than a slot's (`slot_order`), so they are fetched after the last microbatch.
-        moved = lambda ks: sum(sizes[k] for k in ks if tiers[k] != DEVICE)
-        self.between_groups = sum(not slot_bytes or moved(ks) <= slot_bytes for ks in self.groups)
+        # The bytes each group moves; the groups that may run between microbatches come first:
+        # the others move more than a slot (`slot_order`), fetched after the last microbatch.
+        self.moved_bytes = [sum(sizes[k] for k in ks if tiers[k] != DEVICE) for ks in self.groups]
+        self.between_groups = sum(not slot_bytes or n <= slot_bytes for n in self.moved_bytes)
         # Per weight (flat index), the last group that updates it.
         self._last_group = {
             self.chunks[k].weight: g for g, ks in enumerate(self.groups) for k in ks
@@ -454,6 +454,7 @@ class StreamedUpdate:
             if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
                 self._make_room(fetched)
                 fetched[g] = self._fetch(g, masters, states)
+                self._count_in_flight(fetched)
             if group[0].tier == SSD:
                 master, state = (f.result() for f in fetched.pop(g))
                 leaves = self._move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
@@ -508,11 +509,7 @@ class StreamedUpdate:
             if nxt < n and (nxt < self.between_groups or g >= self.between_groups):
                 self._make_room(fetched)
                 fetched[nxt] = self._fetch(nxt, masters, states)
-            on_device = [*fetched, *(e[3] for e in self._leaving)]
-            self.most_in_flight = max(self.most_in_flight, len(on_device))
-            self.most_bytes_in_flight = max(
-                self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
-            )
+            self._count_in_flight(fetched)
             yield
         # This update's last groups on their way home stay on the device beside the next
         # step, as many as the planner counts (`planner.beside_step_groups`): older ones, and
@@ -559,6 +556,14 @@ class StreamedUpdate:
             else:
                 still.append(entry)
         self._leaving = still
+
+    def _count_in_flight(self, fetched: dict) -> None:
+        """`most_in_flight` and `most_bytes_in_flight` with the groups on the device now."""
+        on_device = [*fetched, *(e[3] for e in self._leaving)]
+        self.most_in_flight = max(self.most_in_flight, len(on_device))
+        self.most_bytes_in_flight = max(
+            self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
+        )
 
     def _make_room(self, fetched: dict) -> None:
         """Sends off groups on their way home (this update's, or the last one's) until one
