@@ -700,8 +700,11 @@ BREAKS = [
     (
         "groups home dropped before the trim",
         "angel_jax/offload/stream.py",
-        "        keep = self.leaving if self.beside_step else 0\n",
-        "        self._delete_ready()\n        keep = self.leaving if self.beside_step else 0\n",
+        "        keep = self.leaving if self.beside_step and self.between_groups == n else 0\n",
+        (
+            "        self._delete_ready()\n"
+            "        keep = self.leaving if self.beside_step and self.between_groups == n else 0\n"
+        ),
         [
             "tests/test_offload.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"
         ],
