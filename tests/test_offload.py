@@ -912,11 +912,14 @@ def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_la
 
 
 @pytest.mark.parametrize("data", [8, pytest.param(1, marks=gpu, id="gpu")])
-def test_update_between_microbatches_with_chunks_after_them_trains_alike(data):
+def test_update_between_microbatches_with_chunks_after_them_trains_alike(data, monkeypatch):
     """The update with its largest chunks after the microbatches (`slot_order`) is the same
     update in another order: the same losses and state as the one that runs them between.
     On a GPU too, where copies take their time and a group's old host copies are deleted as
     its copies up may still run."""
+    # The budget is the planner's estimate's (as on the CPU, where a set budget is not
+    # checked): a GPU's compiled step may take more than that tight room.
+    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: False))
     tail_config, _ = _slots_without_the_largest_chunks(data)
     loose_config = copy.deepcopy(tail_config)
     loose_config.offload.device_gib = 0.0
