@@ -247,11 +247,6 @@ class OffloadedStep(_Offloaded):
         metrics.update(grad_norm=norm, lr=learning_rate_schedule(exp.config.train)(step))
         return step + 1, grads, exp.optimizer.clip_scale(norm), metrics
 
-    # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
-    _out_shardings = property(
-        lambda self: (self.replicated, None, self.replicated, self.replicated)
-    )
-
     @functools.cached_property
     def program_lowered(self) -> jax.stages.Lowered:
         """The forward/backward, or with the update between microbatches one microbatch's."""
@@ -266,7 +261,8 @@ class OffloadedStep(_Offloaded):
             jitted = jax.jit(
                 self._grad_step,
                 in_shardings=(replicated, exp.state_sharding.compute_params, exp.batch_sharding),
-                out_shardings=self._out_shardings,
+                # Grads stay where `loss_and_grads` put them (streamed layers' in host memory).
+                out_shardings=(replicated, None, replicated, replicated),
             )
         with sharding.use_rules(exp.mesh, exp.rules):
             return jitted.lower(*args)

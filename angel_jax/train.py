@@ -24,7 +24,7 @@ from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
 from angel_jax.offload import planner
-from angel_jax.offload.planner import CompiledTooLarge, Plan
+from angel_jax.offload.planner import CompiledTooLarge, Plan, may_update_between_microbatches
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
 from angel_jax.offload.stream import (
@@ -306,11 +306,8 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
     plan, excess = exp.plan, exp.steps.beyond_estimate  # Of the step compiled in `build`.
     # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
     # A delayed update that could run between microbatches, if the room let it.
-    could_go_between = (
-        "delayed grads" in plan.state_bytes
-        and config.train.microbatches > 1
-        and not (exp.pipeline or plan.streams_params or config.offload.update_in_step)
-        and not plan.update_between_microbatches
+    could_go_between = not plan.update_between_microbatches and may_update_between_microbatches(
+        config, plan, exp.pipeline is not None
     )
     fills = config.offload.policy == "auto" or not plan.copies_beside_step or could_go_between
     if excess >= 0 or not fills:
@@ -336,15 +333,10 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
             raise
         # Its temporaries passed the scan's (on the H200, the 8B's by 0.01 GiB, where the
         # groups took all the room): once more with them, the same program.
-        before, again = (
-            again,
-            _build(config, mesh, {(True, plan.remat): excess + e.beyond_estimate}),
+        again = _between_again(
+            config, mesh, again, {(True, plan.remat): excess + e.beyond_estimate}
         )
-        if not (again.plan.update_between_microbatches and again.steps.reuse_program(before.steps)):
-            return exp
-        try:
-            _ = again.steps.program
-        except CompiledTooLarge:
+        if again is None:
             return exp
     print(
         f"the compiled step's temporaries took {-excess / 2**30:.1f} GiB less than the plan's "
@@ -354,6 +346,20 @@ def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Ex
         f"microbatches {'on' if again.plan.update_between_microbatches else 'off'})",
         file=sys.stderr,
     )
+    return again
+
+
+def _between_again(config: ml_collections.ConfigDict, mesh: Mesh, before: Experiment, extra):
+    """`before`'s update between microbatches planned once more with its microbatch program's
+    temporaries (`extra`, `_build`'s) and that program, checked; None if the plan made so
+    leaves that mode or its program does not fit."""
+    again = _build(config, mesh, extra)
+    if not (again.plan.update_between_microbatches and again.steps.reuse_program(before.steps)):
+        return None
+    try:
+        _ = again.steps.program
+    except CompiledTooLarge:
+        return None
     return again
 
 

@@ -757,6 +757,28 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
     assert events == (["step"] if delayed else prefetched) + prefetched, events
 
 
+def _logged_dispatches(exp) -> list[str]:
+    """What `exp`'s offloaded steps dispatch from here on, in order: "microbatch" (a
+    microbatch's program), "fetch g" and "update g" (group g's copies up and program), "home
+    g" (group g waited home)."""
+    update, events = exp.streamed_update, []
+    group = {tuple(ks): g for g, ks in enumerate(update.groups)}
+    microbatch, fetch, fn, send_off = exp.steps.program, update._fetch, update._fn, update._send_off
+
+    def logged(event, call):
+        def run(*args):
+            events.append(event(*args))
+            return call(*args)
+
+        return run
+
+    exp.steps.program = logged(lambda *_: "microbatch", microbatch)
+    update._fetch = logged(lambda g, *_: f"fetch {g}", fetch)
+    update._fn = logged(lambda ks, *_: f"update {group[tuple(ks)]}", fn)
+    update._send_off = logged(lambda entry: f"home {entry[3]}", send_off)
+    return events
+
+
 @pytest.mark.parametrize("microbatches, tight", [(4, False), (2, True)])
 def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, tight):
     """With microbatches the waiting update's groups are dispatched between the next step's
@@ -782,28 +804,13 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
         config.offload.device_gib = need * 1.001 / planner.USABLE / 2**30
     exp = build(config, mesh)
     assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
-    update, events = exp.streamed_update, []
-    microbatch, fetch, fn = exp.steps.program, update._fetch, update._fn
-    group = {tuple(ks): g for g, ks in enumerate(update.groups)}
-
-    def logged_microbatch(*args):
-        events.append("microbatch")
-        return microbatch(*args)
-
-    def logged_fetch(g, *args):
-        events.append(f"fetch {g}")
-        return fetch(g, *args)
-
-    def logged_fn(ks, *args):
-        events.append(f"update {group[tuple(ks)]}")
-        return fn(ks, *args)
-
-    exp.steps.program, update._fetch, update._fn = logged_microbatch, logged_fetch, logged_fn
+    update, events = exp.streamed_update, _logged_dispatches(exp)
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
         events.append("end")
-    first, second = (s.strip() for s in " ".join(events).split("end")[:2])
+    dispatched = " ".join(e for e in events if not e.startswith("home"))
+    first, second = (s.strip() for s in dispatched.split("end")[:2])
     assert first == " ".join(["microbatch"] * microbatches), first  # Nothing waits yet.
     n, slots = len(update.groups), microbatches - 1
     assert update.slots(slots) == [1] * slots
@@ -885,23 +892,7 @@ def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_la
     assert update.between_groups == n - 2 and update.slots(n + 1) == [1] * (n - 2) + [0] * 3
     assert plan.state_bytes["update chunks"] == 2 * largest
 
-    events = []
-    microbatch, fetch, send_off = exp.steps.program, update._fetch, update._send_off
-
-    def logged_microbatch(*args):
-        events.append("microbatch")
-        return microbatch(*args)
-
-    def logged_fetch(g, *args):
-        events.append(f"fetch {g}")
-        return fetch(g, *args)
-
-    def logged_send_off(entry):
-        events.append(f"home {entry[3]}")
-        return send_off(entry)
-
-    exp.steps.program, update._fetch = logged_microbatch, logged_fetch
-    update._send_off = logged_send_off
+    events = _logged_dispatches(exp)
     state = exp.init_state()
     for rows in make_batches(config)[:2]:  # The second step runs the first one's update.
         events.clear()

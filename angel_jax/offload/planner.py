@@ -517,6 +517,18 @@ def _new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes
     return most
 
 
+def may_update_between_microbatches(config, plan: Plan, pipelined: bool) -> bool:
+    """Whether `plan`'s delayed update (config.offload.delayed_update) may run between the
+    next step's microbatches, room allowing (`Plan.slot_bytes`): with microbatches, outside a
+    pipeline (`pipelined`), layer streaming and the update inside the step."""
+    o = config.offload
+    return bool(
+        o.delayed_update
+        and config.train.microbatches > 1
+        and not (pipelined or plan.streams_params or o.update_in_step)
+    )
+
+
 def _slot_bytes(moved: list[int], slots: int, most: float = math.inf) -> int:
     """The bytes of a slot for the `moved` chunks' bytes that are at most `most`: an even
     share of theirs over the `slots` with `SLOT_MARGIN`, at least their largest, at most
@@ -713,7 +725,6 @@ def make_plan(
     kept = 2 if speculative else 1  # A speculating step keeps a resident chunk's old copy too.
 
     # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
-    between = config.offload.delayed_update and accumulating and pipeline is None and not in_step
 
     # Weight -> (its compute copy's bytes, its float32 grads' bytes): `_new_compute_bytes`.
     weight_bytes = {
@@ -724,7 +735,8 @@ def make_plan(
     }
 
     def step_chunks(plan: Plan) -> Plan:
-        slots = config.train.microbatches - 1 if between and not plan.streams_params else 0
+        between = may_update_between_microbatches(config, plan, pipeline is not None)
+        slots = config.train.microbatches - 1 if between else 0
         return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots, weight_bytes)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
