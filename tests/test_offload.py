@@ -2059,3 +2059,16 @@ def test_checkpoint_names_the_offload_policy_it_was_saved_under(tmp_path):
     ckpt.close()
     with pytest.raises(ConfigError, match=r"laid out for config.offload.policy=none, but this"):
         Checkpointer(str(tmp_path), 1, 1).restore(1, exp.abstract_state, "optimizer")
+
+
+def test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget(monkeypatch):
+    """An allocator that reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async) must
+    not leave the plan to take the host's RAM as the GPU's budget: the error names the
+    setting."""
+    config, mesh = llama_1b("--config.offload.policy=optimizer")
+    gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_in_use": 0})
+    monkeypatch.setattr(planner.jax, "local_devices", lambda: [gpu])
+    with pytest.raises(ConfigError, match="config.offload.device_gib"):
+        planner.measured_budget(config, mesh)
+    config.offload.device_gib = 40
+    assert planner.measured_budget(config, mesh)[DEVICE] == 40 * 2**30

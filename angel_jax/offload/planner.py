@@ -196,8 +196,15 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
     if o.device_gib > 0:
         device = int(o.device_gib * 2**30)
     else:
-        stats = jax.local_devices()[0].memory_stats() or {}
-        device = int(stats.get("bytes_limit", 0)) or _host_available()  # CPU: host RAM.
+        first = jax.local_devices()[0]
+        device = int((first.memory_stats() or {}).get("bytes_limit", 0))
+        if not device and first.platform != "cpu":
+            # E.g. XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, whose pool reports no limit.
+            raise ConfigError(
+                f"the {first.platform} device allocator reports no memory limit: set "
+                "config.offload.device_gib to the device memory the plan may use"
+            )
+        device = device or _host_available()  # CPU: host RAM.
     host = host_budget(int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available())
     local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
