@@ -2062,9 +2062,9 @@ def test_checkpoint_names_the_offload_policy_it_was_saved_under(tmp_path):
 
 
 def test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget(monkeypatch):
-    """An allocator that reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async) must
-    not leave the plan to take the host's RAM as the GPU's budget: the error names the
-    setting."""
+    """An allocator that reports no memory limit (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async may
+    not) must not leave the plan to take the host's RAM as the GPU's budget: the error names
+    the setting."""
     config, mesh = llama_1b("--config.offload.policy=optimizer")
     gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_in_use": 0})
     monkeypatch.setattr(planner.jax, "local_devices", lambda: [gpu])

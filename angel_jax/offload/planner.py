@@ -199,7 +199,7 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
         first = jax.local_devices()[0]
         device = int((first.memory_stats() or {}).get("bytes_limit", 0))
         if not device and first.platform != "cpu":
-            # E.g. XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, whose pool reports no limit.
+            # An allocator that keeps no statistics (cuda_async may not): no device budget.
             raise ConfigError(
                 f"the {first.platform} device allocator reports no memory limit: set "
                 "config.offload.device_gib to the device memory the plan may use"
