@@ -762,10 +762,7 @@ BREAKS = [
         "angel_jax/offload/planner.py",
         '        if not device and first.platform != "cpu":',
         "        if False:",
-        [
-            "tests/test_offload.py::"
-            "test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget"
-        ],
+        ["tests/test_offload.py::test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget"],
     ),
 ]
 
