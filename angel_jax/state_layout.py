@@ -16,10 +16,11 @@ from angel_jax import sharding
 from angel_jax.config import ConfigError
 from angel_jax.memory import zero_splits
 from angel_jax.offload.cpu import CPUTier, measure_rates
-from angel_jax.offload.planner import CPU, HOST, SSD, Plan, make_plan
+from angel_jax.offload.planner import Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
 from angel_jax.offload.stream import StreamedUpdate
+from angel_jax.offload.tiers import CPU, HOST, SSD
 from angel_jax.optim import Optimizer
 from angel_jax.optim.powersgd import PowerSGD
 

@@ -186,7 +186,7 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from angel_jax.offload.planner import USABLE
+    from angel_jax.offload.tiers import USABLE
 
     results = []
     for optimizer, policy in CASES:
@@ -202,7 +202,7 @@ def main() -> int:
             continue
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(found["layers"])]
         log = f"{a.out.removesuffix('.json')}.{optimizer}-{policy}.log"
-        # XLA's pinned-host pool keeps its doubling regions up to its cap (planner.pool_overflow):
+        # XLA's pinned-host pool keeps its doubling regions up to its cap (tiers.pool_overflow):
         # cap it at what the plan puts there, which leaves the plan as it is.
         env = None
         if found["planned_host_gib"] > 0:

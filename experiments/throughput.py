@@ -264,7 +264,7 @@ def compile_only_devices(n: int) -> list:
                 f"this backend is {jax.default_backend()}: run it on a GPU machine, or set "
                 "GPU_TARGET_CONFIG to a GPU's target description (experiments/gpu_targets/)"
             )
-        from angel_jax.offload import planner
+        from angel_jax.offload import tiers
 
         host_gib = float(os.environ.get("GPU_HOST_GIB") or 0)
         if host_gib <= 0:
@@ -274,7 +274,7 @@ def compile_only_devices(n: int) -> list:
             )
         described["target_config"] = pathlib.Path(target).read_text()
         jax.default_backend = lambda: "gpu"  # The programs are for the described GPU.
-        planner._host_available = lambda: int(host_gib * 2**30)
+        tiers._host_available = lambda: int(host_gib * 2**30)
     topology = topologies.get_topology_desc(
         "compile-only", "cuda", topology=f"1x1x{n}", **described
     )
@@ -467,7 +467,7 @@ def offload_breakdown(exp, state, batch) -> dict:
     import jax
 
     from angel_jax import sharding
-    from angel_jax.offload.planner import HOST
+    from angel_jax.offload.tiers import HOST
 
     if not exp.plan.offloads_optimizer or exp.config.offload.update_in_step:
         return {}  # On the device, or one program with the update inside.

@@ -30,7 +30,7 @@ BREAKS = [
     ),
     (
         "the streamed update's groups straddle unrolled layers",
-        "angel_jax/offload/planner.py",
+        "angel_jax/offload/groups.py",
         "            and parts[groups[-1][-1]] == parts[k]\n",
         "",
         ["tests/test_offload.py::test_unrolled_layers_share_the_streamed_updates_programs"],
@@ -551,7 +551,7 @@ BREAKS = [
     ),
     (
         "chunks larger than a slot keep their place in the update between microbatches",
-        "angel_jax/offload/planner.py",
+        "angel_jax/offload/groups.py",
         "    return first + [k for k, f in enumerate(fits) if not f]",
         "    return list(range(len(sizes)))",
         [
@@ -651,7 +651,7 @@ BREAKS = [
     ),
     (
         "update chunks not grouped",
-        "angel_jax/offload/planner.py",
+        "angel_jax/offload/groups.py",
         "and total + size <= cap",
         "and total + size <= 0",
         ["tests/test_offload.py::test_update_moves_and_updates_chunks_in_groups"],
@@ -759,7 +759,7 @@ BREAKS = [
     ),
     (
         "a GPU allocator without a limit leaves the host's RAM as the device budget",
-        "angel_jax/offload/planner.py",
+        "angel_jax/offload/tiers.py",
         '        if not device and first.platform != "cpu":',
         "        if False:",
         ["tests/test_offload.py::test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget"],

@@ -20,8 +20,18 @@ from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner, stream
-from angel_jax.offload.planner import DEVICE, HOST, CompiledTooLarge, check_compiled
+from angel_jax.offload import planner, stream, tiers
+from angel_jax.offload.groups import (
+    SLOT_MARGIN,
+    beside_step_groups,
+    chunk_part,
+    group_chunks,
+    new_compute_bytes,
+    slot_order,
+    slot_size,
+)
+from angel_jax.offload.planner import CompiledTooLarge, check_compiled
+from angel_jax.offload.tiers import DEVICE, HOST, USABLE
 from angel_jax.optim import Optimizer
 from angel_jax.train import build
 from tests.test_train_parity import small_config
@@ -235,7 +245,7 @@ def test_auto_remat_is_the_fastest_that_fits():
     need = {r: exp(r).plan.tier_bytes(DEVICE) for r in ("dots_no_batch", "full")}
     inputs = exp("full").plan.state_bytes["layer inputs"]
     assert need["dots_no_batch"] - inputs / 2 > need["full"]
-    gib = lambda nbytes: nbytes * 1.001 / planner.USABLE / 2**30
+    gib = lambda nbytes: nbytes * 1.001 / USABLE / 2**30
     # Short of dots_no_batch's need by half the layer inputs.
     room = {"dots_no_batch": need["dots_no_batch"], "full": need["dots_no_batch"] - inputs / 2}
     for remat, device in room.items():
@@ -300,7 +310,7 @@ def test_auto_remat_weighs_the_inputs_copies_against_the_recompute_they_spare(se
     need = lambda remat, inputs: plan(remat, inputs).tier_bytes(DEVICE)
     room = max(need("full", "device"), need("attention", "host"))
     assert room < need("attention", "device")
-    picked = plan("auto", "auto", room * 1.001 / planner.USABLE / 2**30)
+    picked = plan("auto", "auto", room * 1.001 / USABLE / 2**30)
     expected = ("attention", True) if seq_len > 65536 else ("full", False)
     assert (picked.remat, picked.layer_inputs_on_host) == expected
 
@@ -321,7 +331,7 @@ def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(mo
     assert compiled_need["dots_no_batch"] > compiled_need["full"]
     # Room between the two compiled steps' needs, and no activations in dots_no_batch's
     # estimate.
-    between = sum(compiled_need.values()) / 2 / planner.USABLE / 2**30
+    between = sum(compiled_need.values()) / 2 / USABLE / 2**30
     estimate = planner.activation_bytes
     wrong = lambda c, m, r: {**estimate(c, m, r), **({"activations": 0} if r != "full" else {})}
     monkeypatch.setattr(planner, "activation_bytes", wrong)
@@ -351,9 +361,7 @@ def test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room(monkey
     wrong = lambda c, m, r: {**(e := estimate(c, m, r)), "activations": 3 * e["activations"]}
     monkeypatch.setattr(planner, "activation_bytes", wrong)
     monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
-    config = small_config(
-        model__remat="auto", offload__device_gib=usable / planner.USABLE / 2**30, **kw
-    )
+    config = small_config(model__remat="auto", offload__device_gib=usable / USABLE / 2**30, **kw)
     assert build(config, mesh, fit_compiled=False).plan.remat == "full"
     compiles = []
     compile = jax.stages.Lowered.compile
@@ -801,7 +809,7 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
         whole_copy = loose.plan.state_bytes["compute params"]
         need = loose.plan.tier_bytes(DEVICE) - 2 * loose.plan.slot_bytes + 2 * largest
         need += whole_copy - new_copy
-        config.offload.device_gib = need * 1.001 / planner.USABLE / 2**30
+        config.offload.device_gib = need * 1.001 / USABLE / 2**30
     exp = build(config, mesh)
     assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
     update, events = exp.streamed_update, _logged_dispatches(exp)
@@ -831,20 +839,20 @@ def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:
     loose = build(config, make_mesh(config.mesh), fit_compiled=False)
     assert loose.plan.update_between_microbatches
     chunks = loose.streamed_update.chunks
-    sizes, tiers = [stream.chunk_bytes(c) for c in chunks], [c.tier for c in chunks]
+    sizes, chunk_tiers = [stream.chunk_bytes(c) for c in chunks], [c.tier for c in chunks]
     slot = slot_bytes(sizes)
-    order = planner.slot_order(sizes, tiers, slot)
+    order = slot_order(sizes, chunk_tiers, slot)
     keys = [jax.tree_util.keystr(chunks[k].path) for k in order]
-    parts = [planner.chunk_part(key) for key in keys]
-    in_order = ([x[k] for k in order] for x in (sizes, tiers))
-    groups = planner.group_chunks(*in_order, parts, 2, slot)
+    parts = [chunk_part(key) for key in keys]
+    in_order = ([x[k] for k in order] for x in (sizes, chunk_tiers))
+    groups = group_chunks(*in_order, parts, 2, slot)
     compute = jax.tree_util.tree_leaves_with_path(loose.abstract_state.compute_params)
     weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
-    new_copy = planner._new_compute_bytes(groups, keys, weight_bytes)
+    new_copy = new_compute_bytes(groups, keys, weight_bytes)
     held = loose.plan.state_bytes
     without = loose.plan.tier_bytes(DEVICE) - held["chunks beside the step"]
     without -= held["new compute params"]
-    return (without + 2 * slot + new_copy) / planner.USABLE / 2**30, sizes
+    return (without + 2 * slot + new_copy) / USABLE / 2**30, sizes
 
 
 def _slots_without_the_largest_chunks(data: int = 8):
@@ -855,7 +863,7 @@ def _slots_without_the_largest_chunks(data: int = 8):
     kw = dict(DELAYED, offload__cpu_update=0, mesh__data=data)
     config = small_config(microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw)
     # The slots of the other chunks' even share, as the planner makes them.
-    others = lambda sizes: planner._slot_bytes([n for n in sizes if n < max(sizes)], 3)
+    others = lambda sizes: slot_size([n for n in sizes if n < max(sizes)], 3)
     config.offload.device_gib, sizes = _budget_for_slots(config, others)
     largest = max(sizes)
     assert [k for k, n in enumerate(sizes) if n == largest] == [0, len(sizes) - 1]
@@ -1077,16 +1085,16 @@ def test_update_between_microbatches_plans_its_chunks_and_new_compute_copy():
     compute = jax.tree_util.tree_leaves_with_path(exp.abstract_state.compute_params)
     weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
     keys = [jax.tree_util.keystr(c.path) for c in update.chunks]
-    new_copy = planner._new_compute_bytes(update.groups, keys, weight_bytes)
+    new_copy = new_compute_bytes(update.groups, keys, weight_bytes)
     assert plan.state_bytes["new compute params"] == new_copy > 0
     moved = [stream.chunk_bytes(c) for c in update.chunks if c.tier == HOST]
     group_bytes = lambda u: [sum(stream.chunk_bytes(u.chunks[k]) for k in ks) for ks in u.groups]
-    assert plan.slot_bytes == int(planner.SLOT_MARGIN * sum(moved)), (plan.slot_bytes, moved)
+    assert plan.slot_bytes == int(SLOT_MARGIN * sum(moved)), (plan.slot_bytes, moved)
     assert max(group_bytes(update)) <= plan.slot_bytes and update.in_flight == 2
     for held in ("chunks beside the step", "update chunks"):
         assert plan.state_bytes[held] == 2 * plan.slot_bytes
     without = plan.tier_bytes(DEVICE) - 2 * plan.slot_bytes - new_copy
-    tight = (without + 2 * max(moved) - 1) / planner.USABLE / 2**30  # Not even a new copy.
+    tight = (without + 2 * max(moved) - 1) / USABLE / 2**30  # Not even a new copy.
     exp = build(small_config(offload__device_gib=tight, **kw), mesh)
     assert not (exp.plan.update_between_microbatches or exp.steps.between_microbatches)
     assert "new compute params" not in exp.plan.state_bytes
@@ -1110,7 +1118,7 @@ def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(mon
     # Room for the update between microbatches with the compiled temporaries, not the estimate.
     need = exact.plan.tier_bytes(DEVICE) + temps - sum(held.values())
     need -= exact.plan.state_bytes["activations"]
-    budget = need * 1.01 / planner.USABLE / 2**30
+    budget = need * 1.01 / USABLE / 2**30
     config = small_config(offload__device_gib=budget, **kw)
     assert not build(config, mesh, fit_compiled=False).plan.update_between_microbatches
     exp = build(config, mesh)
@@ -1168,7 +1176,7 @@ def test_unrolled_layers_share_the_streamed_updates_programs():
         update = exp.streamed_update
         programs[layers] = len(update._fns)
         assert programs[layers] < len(update.groups), (programs, update.groups)
-        parts = [{planner.chunk_part(update.chunks[k].key) for k in ks} for ks in update.groups]
+        parts = [{chunk_part(update.chunks[k].key) for k in ks} for ks in update.groups]
         assert all(len(p) == 1 for p in parts), parts  # No group spans two layers.
     assert programs[2] == programs[4], programs
 
@@ -1621,8 +1629,8 @@ def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
     config = small_config(offload__policy="optimizer", offload__chunks_in_flight=4)
     exp = build(config, make_mesh(config.mesh))
     plan, update = exp.plan, exp.streamed_update
-    tiers = [c.tier for c in update.chunks]
-    fetched, leaving = planner.beside_step_groups(tiers, update.groups, 4)
+    chunk_tiers = [c.tier for c in update.chunks]
+    fetched, leaving = beside_step_groups(chunk_tiers, update.groups, 4)
     assert plan.copies_beside_step and fetched == [0, 1] and len(leaving) == 3
     beside = plan.state_bytes["chunks beside the step"]
     assert beside == sum(update.group_bytes[g] for g in {*fetched, *leaving})
@@ -1643,8 +1651,8 @@ def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
     update.drain()
 
     # A device with room for the step but not for the groups beside it.
-    room = plan.budget[DEVICE] * planner.USABLE - plan.tier_bytes(DEVICE) + beside // 2
-    gib = (plan.budget[DEVICE] - room / planner.USABLE) / 2**30
+    room = plan.budget[DEVICE] * USABLE - plan.tier_bytes(DEVICE) + beside // 2
+    gib = (plan.budget[DEVICE] - room / USABLE) / 2**30
     config = small_config(
         offload__policy="optimizer", offload__chunks_in_flight=4, offload__device_gib=gib
     )
@@ -1677,8 +1685,8 @@ def test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up(mo
         config = small_config(offload__policy="optimizer", offload__chunks_in_flight=in_flight)
         exp = build(config, make_mesh(config.mesh))
         update, batches = exp.streamed_update, batches or make_batches(config)
-        tiers = [c.tier for c in update.chunks]
-        _, leaving = planner.beside_step_groups(tiers, update.groups, in_flight)
+        chunk_tiers = [c.tier for c in update.chunks]
+        _, leaving = beside_step_groups(chunk_tiers, update.groups, in_flight)
         early = update.groups[-2] if in_flight == 4 else None  # Its copies home end first.
         move = update._move
 
@@ -1704,32 +1712,32 @@ def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
     cap was held whole for a 94.7 GiB plan, and the kernel killed the run after minutes of
     initialisation): the planner refuses a plan whose pool, with the host cores' chunks and
     the process's own memory, passes what the host has, and names the cap that fits."""
-    assert planner.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
-    assert planner.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
+    assert tiers.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
+    assert tiers.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
     overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
     plan = build(*llama_1b(*overrides)).plan  # A CPU: no pool.
     need = plan.tier_bytes(HOST)  # 12.3 GiB: the pool's regions reach 16 GiB.
     assert 8 * 2**30 < need < 15 * 2**30
-    monkeypatch.setattr(planner, "_host_available", lambda: 38 * 2**30)  # 16 + 24 beside > 38.
+    monkeypatch.setattr(tiers, "_host_available", lambda: 38 * 2**30)  # 16 + 24 beside > 38.
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
-    overflow = planner.pool_overflow(plan, 1, backend="gpu")
+    overflow = tiers.pool_overflow(plan, 1, backend="gpu")
     assert "would hold 16.0 GiB" in overflow and "LIMIT_GB=13," in overflow
-    on_gpu = functools.partial(planner.pool_overflow, backend="gpu")
-    monkeypatch.setattr(planner, "pool_overflow", on_gpu)
+    on_gpu = functools.partial(tiers.pool_overflow, backend="gpu")
+    monkeypatch.setattr(tiers, "pool_overflow", on_gpu)
     with pytest.raises(ConfigError, match="would hold 16.0 GiB .*LIMIT_GB=13,"):
         build(*llama_1b(*overrides))
     # With less than 13 + 24 GiB available no cap fits: none is named (on the H200 the 8B
     # 1M-token plan was told to set the 95 GiB cap it had).
-    monkeypatch.setattr(planner, "_host_available", lambda: 36 * 2**30)
-    overflow = planner.pool_overflow(plan, 1)
+    monkeypatch.setattr(tiers, "_host_available", lambda: 36 * 2**30)
+    overflow = tiers.pool_overflow(plan, 1)
     assert "no cap fits this host" in overflow and "LIMIT_GB=13," not in overflow
-    monkeypatch.setattr(planner, "_host_available", lambda: 38 * 2**30)
+    monkeypatch.setattr(tiers, "_host_available", lambda: 38 * 2**30)
     # The host cores' chunks live beside the pool, in plain memory: they count too.
     hybrid = build(*llama_1b(*overrides, "--config.offload.cpu_update=0.5")).plan
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "13")
-    assert planner.pool_overflow(plan, 1) == ""
-    assert "GiB of host-updated chunks" in planner.pool_overflow(hybrid, 2)
-    assert planner.pool_overflow(plan, 1, backend="cpu") == ""
+    assert tiers.pool_overflow(plan, 1) == ""
+    assert "GiB of host-updated chunks" in tiers.pool_overflow(hybrid, 2)
+    assert tiers.pool_overflow(plan, 1, backend="cpu") == ""
 
 
 def test_a_preallocated_pinned_pool_is_counted_as_held(monkeypatch):
@@ -1737,17 +1745,17 @@ def test_a_preallocated_pinned_pool_is_counted_as_held(monkeypatch):
     of what the host has available: the host tier is the cap (on the H200 the planner, taking
     what was left for the pool, found 0 GiB and refused every plan), and the check asks only
     that the process's memory fits beside it."""
-    monkeypatch.setattr(planner, "_host_available", lambda: 30 * 2**30)
+    monkeypatch.setattr(tiers, "_host_available", lambda: 30 * 2**30)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "95")
-    assert planner.host_budget(200 * 2**30, backend="gpu") == 6 * 2**30  # 30 - 24 beside.
-    assert planner.host_budget(200 * 2**30, backend="cpu") == 200 * 2**30
+    assert tiers.host_budget(200 * 2**30, backend="gpu") == 6 * 2**30  # 30 - 24 beside.
+    assert tiers.host_budget(200 * 2**30, backend="cpu") == 200 * 2**30
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "true")
-    assert planner.host_budget(200 * 2**30, backend="gpu") == 95 * 2**30
+    assert tiers.host_budget(200 * 2**30, backend="gpu") == 95 * 2**30
     overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
     plan = build(*llama_1b(*overrides)).plan
-    assert planner.pool_overflow(plan, 1, backend="gpu") == ""
-    monkeypatch.setattr(planner, "_host_available", lambda: 20 * 2**30)
-    assert "lower the cap" in planner.pool_overflow(plan, 1, backend="gpu")
+    assert tiers.pool_overflow(plan, 1, backend="gpu") == ""
+    monkeypatch.setattr(tiers, "_host_available", lambda: 20 * 2**30)
+    assert "lower the cap" in tiers.pool_overflow(plan, 1, backend="gpu")
 
 
 def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):
@@ -1755,13 +1763,13 @@ def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch
     64 GB pinned): the error must name the two settings, and only where they bind."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0.5")
-    fixes = " ".join(planner.pool_fixes({DEVICE, HOST}, backend="gpu"))
+    fixes = " ".join(tiers.pool_fixes({DEVICE, HOST}, backend="gpu"))
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in fixes
     assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, now 0.5" in fixes
-    assert planner.pool_fixes({DEVICE, HOST}, backend="cpu") == []
+    assert tiers.pool_fixes({DEVICE, HOST}, backend="cpu") == []
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(2**20))  # Above any host.
-    assert planner.pool_fixes({DEVICE, HOST}, backend="gpu") == []
+    assert tiers.pool_fixes({DEVICE, HOST}, backend="gpu") == []
 
 
 @pytest.mark.parametrize("in_flight", [1, 3])
@@ -1824,7 +1832,7 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     still reads it makes the compute stream wait for the copies (the next grad step waited
     60-105 ms for the update's copies home on the H200). Here no copy is done until waited
     for: after a step the last groups' outputs are all still there, as many as the planner
-    counts leaving (`planner.beside_step_groups`), and they go once their copies are done."""
+    counts leaving (`beside_step_groups`), and they go once their copies are done."""
     from jax._src.array import ArrayImpl
 
     config = small_config(offload__policy="optimizer", offload__chunks_in_flight=4)
@@ -2067,8 +2075,8 @@ def test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget(monkeypatch)
     the setting."""
     config, mesh = llama_1b("--config.offload.policy=optimizer")
     gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_in_use": 0})
-    monkeypatch.setattr(planner.jax, "local_devices", lambda: [gpu])
+    monkeypatch.setattr(tiers.jax, "local_devices", lambda: [gpu])
     with pytest.raises(ConfigError, match="config.offload.device_gib"):
-        planner.measured_budget(config, mesh)
+        tiers.measured_budget(config, mesh)
     config.offload.device_gib = 40
-    assert planner.measured_budget(config, mesh)[DEVICE] == 40 * 2**30
+    assert tiers.measured_budget(config, mesh)[DEVICE] == 40 * 2**30

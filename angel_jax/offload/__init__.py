@@ -1,2 +1,3 @@
-"""ZeRO-Cache: the memory-tier planner, the offloaded state's layout, the streamed update and
-the SSD tier."""
+"""ZeRO-Cache: the memory tiers and their budgets (`tiers`), the planner (`planner`), the
+streamed update's groups (`groups`), the offloaded state's layout (`state`), the streamed
+update (`stream`), the host cores' share of it (`cpu`) and the SSD tier (`ssd`)."""

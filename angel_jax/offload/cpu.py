@@ -29,8 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import HOST
 from angel_jax.offload.stream import layer_index
+from angel_jax.offload.tiers import HOST
 from angel_jax.optim import Optimizer
 
 THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # Past 4 the memory bus is the limit.

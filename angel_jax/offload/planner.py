@@ -32,14 +32,12 @@ Each state lives in exactly one tier. Policies:
 Hybrid update (config.offload.cpu_update): a share of the host-memory chunks is kept in plain
 host memory and updated by the host's cores while the device updates the rest.
 A plan that fits nowhere is refused before anything is allocated.
+The tiers' budgets are measured in `tiers`, the update's groups made in `groups`.
 """
 
 import collections
 import dataclasses
 import math
-import os
-import pathlib
-import shutil
 
 import jax
 import ml_collections
@@ -49,14 +47,21 @@ from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
+from angel_jax.offload import tiers
+from angel_jax.offload.groups import (
+    beside_step_groups,
+    chunk_part,
+    group_chunks,
+    in_flight_bytes,
+    new_compute_bytes,
+    slot_order,
+    slot_size,
+)
+from angel_jax.offload.tiers import CPU, DEVICE, HOST, SSD, USABLE
 from angel_jax.parallel.stage_plan import layer_flops
 from angel_jax.remat import REMATS, auto_order, has_attention_results, kept, recomputed
 
-DEVICE, HOST, SSD = "device", "pinned_host", "ssd"
-CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's cores.
 POLICIES = ("none", "optimizer", "params", "auto")
-# Fraction of a tier the plan may fill: XLA needs room for temporaries and fragmentation.
-USABLE = 0.95
 ACTIVATIONS = ("layer inputs", "activations", "offloaded activations")
 # States alive only during the jitted forward/backward, and only during the streamed update
 # that runs after it: a tier holds the larger of the two at a time, not both (on an H200 the
@@ -76,14 +81,6 @@ STEP_ONLY = (
 # The step's states that XLA holds as the compiled step's temporaries (on the device).
 IN_TEMPORARIES = ("layer inputs", "activations", "microbatch grads", "chunks in the step")
 UPDATE_ONLY = ("update chunks",)
-# The streamed update's groups: a group's program holds each of its chunks' update unrolled
-# (this bounds its compile time), and past this many bytes a group's copies (5 ms at the H200's
-# 50 GB/s) outweigh the runtime calls that grouping saves (about 1.2 ms a chunk).
-MOST_CHUNKS_A_GROUP = 64
-MOST_BYTES_A_GROUP = 256 * 2**20
-# An update between microbatches spreads its moved chunks over the slots between them in
-# groups this much larger than an even share, since whole chunks leave gaps as they pack.
-SLOT_MARGIN = 1.1
 # A recomputing layer's backward temporaries per token, in (d_model, ffn_dim) values.
 WORKING_WIDTHS = (8, 6)
 
@@ -190,150 +187,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
-    """Bytes per device for each tier: configured, else measured."""
-    o = config.offload
-    if o.device_gib > 0:
-        device = int(o.device_gib * 2**30)
-    else:
-        first = jax.local_devices()[0]
-        device = int((first.memory_stats() or {}).get("bytes_limit", 0))
-        if not device and first.platform != "cpu":
-            # An allocator that keeps no statistics (cuda_async may not): no device budget.
-            raise ConfigError(
-                f"the {first.platform} device allocator reports no memory limit: set "
-                "config.offload.device_gib to the device memory the plan may use"
-            )
-        device = device or _host_available()  # CPU: host RAM.
-    host = host_budget(int(o.host_gib * 2**30) if o.host_gib > 0 else _host_available())
-    local_devices = max(1, mesh.size // jax.process_count())
-    budget = {DEVICE: device, HOST: host // local_devices}
-    if o.ssd_dir:
-        if o.ssd_gib > 0:
-            ssd = int(o.ssd_gib * 2**30)
-        else:
-            existing = pathlib.Path(o.ssd_dir).absolute()
-            while not existing.exists():
-                existing = existing.parent
-            ssd = shutil.disk_usage(existing).free
-        budget[SSD] = ssd // local_devices
-    return budget
-
-
-def host_budget(host: int, backend: str | None = None) -> int:
-    """The pinned host tier's bytes out of `host`: on a GPU no more than XLA's pinned-host pool's
-    cap, and, unless the pool is preallocated (already out of what the host has available),
-    leaving the process its memory beside the pool."""
-    if (backend or jax.default_backend()) != "gpu":
-        return host
-    cap = int(_pinned_pool_cap_gb() * 2**30)
-    if _pool_preallocated():
-        return max(0, min(host, cap))
-    return max(0, min(host, cap, _host_available() - _BESIDE_POOL))
-
-
-def _pinned_pool_cap_gb() -> float:
-    return float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
-
-
-def _pool_preallocated() -> bool:
-    """XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE: the pinned-host pool is allocated whole, its cap,
-    when the GPU client starts. It spares the run the pool's growth (on the H200 a 31 GiB region
-    took 13.8 s to pin, inside a step) at the cost of pinning it all at start."""
-    value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "")
-    return value.lower() in ("1", "true")
-
-
-def pool_fixes(short: set[str], backend: str | None = None) -> list[str]:
-    """On a GPU, the allocator settings that shrink the `short` tiers below what the machine
-    has: the device pool (75% of the GPU unless told) and the pinned-host pool's cap (64 GB)."""
-    if (backend or jax.default_backend()) != "gpu":
-        return []
-    fixes = []
-    if DEVICE in short and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
-        fixes.append("a larger device pool (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; default 0.75)")
-    cap = _pinned_pool_cap_gb()
-    if HOST in short and cap * 2**30 < _host_available():
-        fixes.append(
-            f"a larger pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, now {cap:g}; "
-            f"the host has {_host_available() / 2**30:.0f} GiB available)"
-        )
-    return fixes
-
-
-# XLA's pinned-host pool (a growing BFC allocator) adds regions of doubling size from 2 MiB up
-# to its cap and keeps them, and pinned pages are resident: once more than 64 GiB live there, a
-# 110 GiB cap is held whole (on the H200, 112 GiB of the process's pages were pinned after an
-# AdamW 20B plan put 94.7 GiB there, and the kernel then killed it).
-_POOL_FIRST_REGION = 2 * 2**20
-# What the process holds beside the pool while it initialises and updates: there, with the pool
-# capped at 100 GiB, 120.3 GiB were resident after the state's initialisation (8.5 GiB of it
-# anonymous) and 122.7 GiB at the peak; the host budget leaves this much beside the pool.
-_BESIDE_POOL = 24 * 2**30
-
-
-def pinned_pool_hold(need: int, cap: int) -> int:
-    """Bytes of pinned host memory the pool holds once `need` bytes live in it."""
-    held, region = 0, _POOL_FIRST_REGION
-    while held < need:
-        held, region = held + region, 2 * region
-    return min(held, cap)
-
-
-def pool_overflow(plan: Plan, local_devices: int, backend: str | None = None) -> str:
-    """On a GPU, why the pinned-host pool would hold more than this host can give beside the
-    process and the host cores' chunks (the kernel's OOM killer would end the run after the
-    state's initialisation), with the cap that fits; "" if it would not."""
-    if (backend or jax.default_backend()) != "gpu":
-        return ""
-    # Chunks the host's cores update live in plain host memory, not the pool.
-    plain = plan.state_bytes.get("CPU-updated chunks", 0) * local_devices
-    need = plan.tier_bytes(HOST) * local_devices - plain
-    cap = int(_pinned_pool_cap_gb() * 2**30)
-    beside = f"{plain / 2**30:.1f} GiB of host-updated chunks and " if plain else ""
-    available = _host_available()
-    if _pool_preallocated():  # The pool is held already: `available` is what is left beside it.
-        if plain + _BESIDE_POOL <= available:
-            return ""
-        return (
-            f"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE holds the pinned-host pool's whole cap "
-            f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}) from the start, "
-            f"leaving {available / 2**30:.1f} GiB, less than {beside}"
-            f"{_BESIDE_POOL / 2**30:.0f} GiB for the process: lower the cap, or unset "
-            f"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE and let the pool grow"
-        )
-    held = pinned_pool_hold(need, cap)
-    if held + plain + _BESIDE_POOL <= available:
-        return ""
-    fit = math.ceil(need / USABLE / 2**30)  # The smallest cap the plan's pool lives in.
-    fixes = "a smaller config.offload.host_gib or config.offload.cpu_update"
-    if fit * 2**30 + plain + _BESIDE_POOL <= available:
-        fixes = f"set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fit}, or {fixes}"
-    else:  # No cap holds the plan's pool beside the process here.
-        fixes = (
-            f"no cap fits this host: use {fixes} (with config.offload.policy=auto and an SSD "
-            f"tier, config.offload.ssd_dir, to take the rest), or a host with more memory"
-        )
-    return (
-        f"XLA's pinned-host pool grows in doubling regions up to its cap and keeps them: for "
-        f"this plan's {need / 2**30:.1f} GiB it would hold {held / 2**30:.1f} GiB "
-        f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={_pinned_pool_cap_gb():g}), which with "
-        f"{beside}{_BESIDE_POOL / 2**30:.0f} GiB for the process passes the "
-        f"{available / 2**30:.1f} GiB this host has available: {fixes}"
-    )
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def local_bytes(abstract_tree, dtype=None) -> int:
     total = 0
     for x in jax.tree.leaves(abstract_tree):
@@ -418,112 +271,6 @@ def _chunks(
     return out
 
 
-def flight(in_flight: int) -> tuple[int, int]:
-    """(groups fetched ahead, groups left on their way home after an update) of the streamed
-    update with `in_flight` groups on the device: the first are fetched before the step that
-    makes their grads, the others go home beside the next step."""
-    ahead = max(1, in_flight // 2)
-    return ahead, in_flight - ahead + 1
-
-
-def _in_flight_bytes(chunks, in_flight: int) -> int:
-    """Bytes the streamed update may hold on the device at once (`StreamedUpdate`): the
-    `flight` groups ahead and leaving, each no larger than the largest chunks (each one
-    weight, or one layer's slice of a weight, with its optimizer state); with fewer chunks
-    than that a chunk can be both. `chunks`: `_chunks`'."""
-    sizes = sorted(m + s for _, m, s in chunks)
-    ahead, leaving = flight(in_flight)
-    if max(ahead, leaving) >= len(sizes):  # Groups without a byte cap (`group_chunks`): the
-        return 2 * sum(sizes)  # fetched ones may hold the state beside the last update's.
-    return sum(sizes[-ahead:]) + sum(sizes[-leaving:])
-
-
-def chunk_part(key: str) -> str:
-    """The top-level part of the params a chunk's weight is in (`keystr` of its path's first
-    key: an unrolled layer, the embedding, ...), from its key path's `keystr`."""
-    return key.split("]", 1)[0] + "]"
-
-
-def group_chunks(
-    sizes: list[int], tiers: list[str], parts: list[str], in_flight: int, slot_bytes: int = 0
-) -> list[list[int]]:
-    """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier
-    and one part of the params (`chunk_part`: unrolled layers' groups alike, so that they
-    share their update's program, `StreamedUpdate._fn`), each group of at most
-    `MOST_CHUNKS_A_GROUP` chunks and, unless every chunk is in flight, `MOST_BYTES_A_GROUP`
-    bytes (a larger chunk is a group of its own) and the bytes of the smallest of the largest
-    chunks `_in_flight_bytes` counts (the larger of its ahead and leaving), so that any such
-    number of groups holds no more than that many of the largest chunks. SSD chunks stay
-    alone (their reads and writes are per chunk).
-
-    `slot_bytes` (an update between microbatches, `Plan.slot_bytes`): groups of at most that
-    many bytes moved, the device's resident chunks with them (they move nothing), across parts
-    and of any number of chunks (each group has a program of its own anyway), so that the
-    update takes as few groups, one a slot, as its moved bytes need."""
-    if not sizes:
-        return []
-    counted = max(flight(in_flight))
-    # With every chunk counted (all in flight) the bound is the whole state, and every group
-    # is beside the step anyway: no byte cap.
-    cap = min(sorted(sizes)[-counted], MOST_BYTES_A_GROUP) if counted < len(sizes) else sum(sizes)
-    most_chunks = MOST_CHUNKS_A_GROUP
-    if slot_bytes:
-        cap, most_chunks = slot_bytes, len(sizes)
-        sizes = [0 if tier == DEVICE else size for tier, size in zip(tiers, sizes, strict=True)]
-        tiers = [HOST if tier == DEVICE else tier for tier in tiers]
-        parts = [""] * len(parts)
-    groups, total = [], 0
-    for k, (tier, size) in enumerate(zip(tiers, sizes, strict=True)):
-        joins = (
-            groups
-            and tier != SSD
-            and tiers[groups[-1][-1]] == tier
-            and parts[groups[-1][-1]] == parts[k]
-            and len(groups[-1]) < most_chunks
-            and total + size <= cap
-        )
-        if joins:
-            groups[-1].append(k)
-            total += size
-        else:
-            groups.append([k])
-            total = size
-    return groups
-
-
-def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int):
-    """(groups fetched before the step, groups still on their way home from the last update)
-    of the streamed update, which hold device memory beside the step's activations: of the
-    first `flight` ahead groups those in host memory (an SSD group is read into host memory,
-    a resident one does not move), and the last `flight` leaving groups that move."""
-    ahead, leaving = flight(in_flight)
-    tier = [tiers[ks[0]] for ks in groups]
-    fetched = [g for g in range(min(ahead, len(groups))) if tier[g] == HOST]
-    moved = [g for g in range(len(groups)) if tier[g] != DEVICE]
-    return fetched, moved[-leaving:]
-
-
-def _new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes: dict) -> int:
-    """What the new compute copy of an update between microbatches holds beyond the waiting
-    float32 grads, at its most: a weight's new copy is made as the first group that updates
-    it is dispatched, its grads go once the last such group has run (`StreamedUpdate.stages`);
-    the host cores' weights' copies are made at the end. `groups`: the device's groups of
-    chunk indices into `weights` (each chunk's weight); `weight_bytes`: weight -> (its compute
-    copy's bytes, its float32 grads' bytes)."""
-    first, last = {}, {}
-    for g, ks in enumerate(groups):
-        for k in ks:
-            first.setdefault(weights[k], g)
-            last[weights[k]] = g
-    end = len(groups)  # After the last group: every copy made, the device's grads gone.
-    most = 0
-    for g in range(end + 1):
-        made = sum(c for w, (c, _) in weight_bytes.items() if first.get(w, end) <= g)
-        gone = sum(f for w, (_, f) in weight_bytes.items() if last.get(w, end) < g)
-        most = max(most, made - gone)
-    return most
-
-
 def may_update_between_microbatches(config, plan: Plan, pipelined: bool) -> bool:
     """Whether `plan`'s delayed update (config.offload.delayed_update) may run between the
     next step's microbatches, room allowing (`Plan.slot_bytes`): with microbatches, outside a
@@ -534,26 +281,6 @@ def may_update_between_microbatches(config, plan: Plan, pipelined: bool) -> bool
         and config.train.microbatches > 1
         and not (pipelined or plan.streams_params or o.update_in_step)
     )
-
-
-def _slot_bytes(moved: list[int], slots: int, most: float = math.inf) -> int:
-    """The bytes of a slot for the `moved` chunks' bytes that are at most `most`: an even
-    share of theirs over the `slots` with `SLOT_MARGIN`, at least their largest, at most
-    `most`; 0 if none is."""
-    fitting = [n for n in moved if n <= most]
-    if not fitting:
-        return 0
-    return int(min(most, max(max(fitting), SLOT_MARGIN * sum(fitting) / slots)))
-
-
-def slot_order(sizes: list[int], tiers: list[str], slot_bytes: int) -> list[int]:
-    """The order of an update between microbatches' chunks (indices into `sizes`, their
-    bytes, and `tiers`): the update's own order for those that fit a slot (resident ones
-    move nothing), then the larger ones, which run after the last microbatch (on the 8B,
-    the embedding's and the LM head's, 5.9 GiB each against slots of 4.8)."""
-    fits = [tier == DEVICE or size <= slot_bytes for tier, size in zip(tiers, sizes, strict=True)]
-    first = [k for k, f in enumerate(fits) if f]
-    return first + [k for k, f in enumerate(fits) if not f]
 
 
 def _with_resident(plan: Plan, resident: set, chunks) -> Plan:
@@ -580,12 +307,12 @@ def _with_step_chunks(
     slots: int,
     weight_bytes: dict | None = None,
 ) -> Plan:
-    """`plan` with the update's groups beside the step counted (`beside_step_groups`, for
+    """`plan` with the update's groups beside the step counted (`groups.beside_step_groups`, for
     its chunks `chunks` in the update's order), or, when the device has no room for them,
     with `copies_beside_step` off. A delayed update that may run between the next step's
     `slots` + 1 microbatches takes groups as large as spreads its moved chunks over the
     slots, or as the room beside the microbatches for two of them beside its new compute copy
-    allows (`Plan.slot_bytes`, `_new_compute_bytes` with `weight_bytes`); chunks larger than
+    allows (`Plan.slot_bytes`, `groups.new_compute_bytes` with `weight_bytes`); chunks larger than
     that run after the last microbatch, two at a time. Where those would be most of the
     moved bytes it runs after the step, which then holds no new compute copy.
     With the update inside the step (`in_step`, config.offload.update_in_step) its chunks in
@@ -629,12 +356,12 @@ def _with_step_chunks(
         parts = [chunk_part(w) for w in weights]
         limit = math.inf
         for _ in range(16):
-            slot = _slot_bytes(moved, slots, limit)
+            slot = slot_size(moved, slots, limit)
             if not slot:
                 break
             order = slot_order(sizes, tiers, slot)
             groups = group_chunks(*([x[k] for k in order] for x in (sizes, tiers, parts)), 2, slot)
-            new_copy = _new_compute_bytes(groups, [weights[k] for k in order], weight_bytes)
+            new_copy = new_compute_bytes(groups, [weights[k] for k in order], weight_bytes)
             fits = (room - new_copy) // 2
             if slot <= fits:
                 break
@@ -665,7 +392,7 @@ def _with_step_chunks(
             )
     state_bytes = {s: b for s, b in plan.state_bytes.items() if s != "new compute params"}
     if plan.slot_bytes:  # The update after the step: its chunks as `in_flight` has them.
-        state_bytes["update chunks"] = _in_flight_bytes(chunks, in_flight)
+        state_bytes["update chunks"] = in_flight_bytes(chunks, in_flight)
     plan = dataclasses.replace(plan, state_bytes=state_bytes, slot_bytes=0)
     parts = [chunk_part(key[0]) for key, _ in updated]
     groups = group_chunks(sizes, tiers, parts, in_flight)
@@ -712,7 +439,7 @@ def make_plan(
     policy = config.offload.policy
     choose("offload.policy", policy, POLICIES)
     choose("offload.activations", config.offload.activations, ACTIVATION_TIERS)
-    budget = measured_budget(config, mesh)
+    budget = tiers.measured_budget(config, mesh)
     compute_dtype = np.dtype(config.model.dtype)
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
     extra = extra_activations or {}
@@ -733,7 +460,7 @@ def make_plan(
 
     # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
 
-    # Weight -> (its compute copy's bytes, its float32 grads' bytes): `_new_compute_bytes`.
+    # Weight -> (its compute copy's bytes, its float32 grads' bytes): `new_compute_bytes`.
     weight_bytes = {
         jax.tree_util.keystr(path): (local_bytes(p, compute_dtype), local_bytes(g, np.float32))
         for (path, p), g in zip(
@@ -771,7 +498,7 @@ def make_plan(
             **saved,
         }
         if not in_step:  # Else the update runs inside the step: "chunks in the step".
-            out["update chunks"] = _in_flight_bytes(chunks, in_flight)
+            out["update chunks"] = in_flight_bytes(chunks, in_flight)
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
@@ -892,7 +619,7 @@ def make_plan(
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
                 )
-            overflow = pool_overflow(plan, max(1, mesh.size // jax.process_count()))
+            overflow = tiers.pool_overflow(plan, max(1, mesh.size // jax.process_count()))
             if overflow:
                 raise ConfigError(f"config.offload.policy={policy}: {overflow}")
             return plan
@@ -902,7 +629,7 @@ def make_plan(
         for t in plan.budget
     )
     short = {t for t in plan.budget if plan.tier_bytes(t) > USABLE * plan.budget[t]}
-    fixes = [*pool_fixes(short), "more devices"]
+    fixes = [*tiers.pool_fixes(short), "more devices"]
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
@@ -1074,7 +801,7 @@ def check_compiled(plan: Plan, memory) -> int:
     usable = USABLE * plan.budget[DEVICE]
     excess = memory.temp_size_in_bytes - estimate
     if need > usable:
-        fixes = [*pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
+        fixes = [*tiers.pool_fixes({DEVICE}), "config.offload.policy=auto or params"]
         if not plan.layer_inputs_on_host:
             fixes += ["config.offload.activations=host (with remat)"]
         if plan.remat != "full":

@@ -21,9 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.cpu import CPUTier
-from angel_jax.offload.planner import CPU, DEVICE, SSD, Plan
+from angel_jax.offload.planner import Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import Chunk, home_kind, unstack, unstack_like
+from angel_jax.offload.tiers import CPU, DEVICE, SSD
 from angel_jax.optim import Optimizer
 from angel_jax.sharding import with_shardings
 

@@ -21,17 +21,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax.offload.planner import (
-    CPU,
-    DEVICE,
-    HOST,
-    SSD,
-    chunk_part,
-    flight,
-    group_chunks,
-    local_bytes,
-    slot_order,
-)
+from angel_jax.offload.groups import chunk_part, flight, group_chunks, slot_order
+from angel_jax.offload.planner import local_bytes
+from angel_jax.offload.tiers import CPU, DEVICE, HOST, SSD
 from angel_jax.optim import Optimizer
 
 Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
@@ -216,7 +208,7 @@ class StreamedUpdate:
     Consecutive chunks of one tier move and update together, as a group: one copy call each
     way and one program. On the H200 each chunk cost the host about 1.2 ms of runtime calls
     (llama_1b, 201 chunks: 250 ms a step with the device idle between the updates' tiny
-    kernels, profile 2026-12-03). The planner makes the groups (`planner.group_chunks`, at most
+    kernels, profile 2026-12-03). The planner makes the groups (`groups.group_chunks`, at most
     256 MiB each unless every chunk is in flight, a larger chunk alone), so its bounds are the
     update's own.
 
@@ -233,7 +225,7 @@ class StreamedUpdate:
     groups are fetched by `prefetch` before the forward/backward that makes their grads is
     dispatched, and the last groups' copies home run beside the next one, when the plan has
     room for them beside the step's activations (`Plan.copies_beside_step`, which counts them:
-    `planner.beside_step_groups`).
+    `groups.beside_step_groups`).
 
     A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
     takes groups of that many bytes moved, two on the device at most (one fetched, one on its
@@ -512,7 +504,7 @@ class StreamedUpdate:
             self._count_in_flight(fetched)
             yield
         # This update's last groups on their way home stay on the device beside the next
-        # step, as many as the planner counts (`planner.beside_step_groups`): older ones, and
+        # step, as many as the planner counts (`groups.beside_step_groups`): older ones, and
         # the last update's (with fewer groups than that they would pile up), are waited for
         # first, and only then the ones home meanwhile go (else an older one would stay).
         # A group larger than a slot does not stay beside the next step's microbatch.
