@@ -26,14 +26,14 @@ BREAKS = [
         "angel_jax/offload/stream.py",
         '                re.sub(r"\\d+", "#", part),',
         "                part,",
-        ["tests/test_offload.py::test_unrolled_layers_share_the_streamed_updates_programs"],
+        ["tests/test_offload_in_step.py::test_unrolled_layers_share_the_streamed_updates_programs"],
     ),
     (
         "the streamed update's groups straddle unrolled layers",
         "angel_jax/offload/groups.py",
         "            and parts[groups[-1][-1]] == parts[k]\n",
         "",
-        ["tests/test_offload.py::test_unrolled_layers_share_the_streamed_updates_programs"],
+        ["tests/test_offload_in_step.py::test_unrolled_layers_share_the_streamed_updates_programs"],
     ),
     (
         "the update in the step never says that clipping holds it back",
@@ -41,7 +41,7 @@ BREAKS = [
         "        if c.train.grad_clip > 0:\n            waits.append(",
         "        if False:\n            waits.append(",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_update_in_step_names_the_settings_that_hold_it_after_the_backward_pass"
         ],
     ),
@@ -57,14 +57,14 @@ BREAKS = [
         "angel_jax/steps.py",
         "            ok, used_scale = None, jnp.ones((), jnp.float32)",
         "            ok, used_scale = None, scale",
-        ["tests/test_offload.py::test_speculative_update_in_step_never_waits_for_the_norm"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_never_waits_for_the_norm"],
     ),
     (
         "the speculative update in the step leaves out an anomalous step's update itself",
         "angel_jax/steps.py",
         "            ok, used_scale = None, jnp.ones((), jnp.float32)",
         "            used_scale = jnp.ones((), jnp.float32)",
-        ["tests/test_offload.py::test_speculative_update_in_step_never_waits_for_the_norm"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_never_waits_for_the_norm"],
     ),
     (
         "an auto plan counts a speculating step's resident chunks once",
@@ -72,7 +72,7 @@ BREAKS = [
         "    kept = 2 if speculative else 1",
         "    kept = 1",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_speculative_update_in_step_keeps_resident_chunks_twice_in_an_auto_plan"
         ],
     ),
@@ -81,28 +81,28 @@ BREAKS = [
         "angel_jax/state_layout.py",
         "            beside_step=plan.copies_beside_step and not config.offload.update_in_step,",
         "            beside_step=plan.copies_beside_step,",
-        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "a speculated step that clipped keeps its speculated update",
         "angel_jax/steps.py",
         "            if jax.device_get(held):",
         "            if True:",
-        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "a step after a redone one speculates again",
         "angel_jax/steps.py",
         "            clipped = not skipped  #",
         "            clipped = False  #",
-        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "the exact program never hands back to speculation",
         "angel_jax/steps.py",
         "                clipped = bool(norm > clip and not skipped)",
         "                clipped = True",
-        ["tests/test_offload.py::test_speculative_update_in_step_equals_the_exact_one"],
+        ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "the exact steps after a clipped speculating one compile at their first use",
@@ -110,7 +110,7 @@ BREAKS = [
         "        if self.runs_exact_steps:\n            speculating",
         "        if False:\n            speculating",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_speculative_update_compiles_its_exact_steps_before_anything_is_allocated"
         ],
     ),
@@ -119,14 +119,18 @@ BREAKS = [
         "angel_jax/steps.py",
         "            if skipped:\n                return state.replace(step=step), metrics",
         "            if False:\n                return state.replace(step=step), metrics",
-        ["tests/test_offload.py::test_speculative_update_in_step_keeps_an_anomalous_steps_state"],
+        [
+            "tests/test_offload_in_step.py::test_speculative_update_in_step_keeps_an_anomalous_steps_state"
+        ],
     ),
     (
         "the plan leaves out the old state a speculating step keeps",
         "angel_jax/offload/planner.py",
         "        if speculative:\n",
         "        if False:\n",
-        ["tests/test_offload.py::test_speculative_update_in_step_plans_the_old_state_it_keeps"],
+        [
+            "tests/test_offload_in_step.py::test_speculative_update_in_step_plans_the_old_state_it_keeps"
+        ],
     ),
     (
         "the update in the step keeps XLA's default copies in flight",
@@ -134,7 +138,7 @@ BREAKS = [
         "        return self.program_lowered.compile(compiler_options=COPIES_IN_FLIGHT)",
         "        return self.program_lowered.compile()",
         # On a GPU (JAX_PLATFORMS=cuda); skipped elsewhere.
-        ["tests/test_offload.py::test_update_in_step_copies_are_asynchronous_on_gpu"],
+        ["tests/test_offload_in_step.py::test_update_in_step_copies_are_asynchronous_on_gpu"],
     ),
     (
         "the exact steps after a clipped speculating one keep XLA's default copies in flight",
@@ -142,7 +146,7 @@ BREAKS = [
         "        return self.exact_lowered.compile(compiler_options=COPIES_IN_FLIGHT)",
         "        return self.exact_lowered.compile()",
         # On a GPU (JAX_PLATFORMS=cuda); skipped elsewhere.
-        ["tests/test_offload.py::test_update_in_step_copies_are_asynchronous_on_gpu"],
+        ["tests/test_offload_in_step.py::test_update_in_step_copies_are_asynchronous_on_gpu"],
     ),
     (
         "the profile finds no backward pass",
@@ -167,7 +171,7 @@ BREAKS = [
         "    return sorted(range(len(exp.streamed_update.chunks)), key=key)",
         "    return list(range(len(exp.streamed_update.chunks)))",
         [
-            "tests/test_offload.py::test_update_in_step_takes_the_chunks_in_the_backward_passes_order"
+            "tests/test_offload_in_step.py::test_update_in_step_takes_the_chunks_in_the_backward_passes_order"
         ],
     ),
     (
@@ -175,21 +179,23 @@ BREAKS = [
         "angel_jax/offload/stream.py",
         "        new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], old[0])",
         "        new = optimizer.update_leaf(c.path, fetch_f32(grad), old[1], old[0])",
-        ["tests/test_offload.py::test_update_in_step_equals_the_streamed_update"],
+        ["tests/test_offload_in_step.py::test_update_in_step_equals_the_streamed_update"],
     ),
     (
         "the update in the step keeps an anomalous step's update",
         "angel_jax/offload/stream.py",
         "        if ok is not None:\n            new = jax.tree.map",
         "        if False:\n            new = jax.tree.map",
-        ["tests/test_offload.py::test_update_in_step_leaves_out_an_anomalous_steps_update"],
+        ["tests/test_offload_in_step.py::test_update_in_step_leaves_out_an_anomalous_steps_update"],
     ),
     (
         "the update in the step is planned as the streamed one",
         "angel_jax/offload/planner.py",
         "    if in_step:  # Held in the step's temporaries",
         "    if False:  # Held in the step's temporaries",
-        ["tests/test_offload.py::test_update_in_step_plans_its_chunks_in_flight_beside_the_step"],
+        [
+            "tests/test_offload_in_step.py::test_update_in_step_plans_its_chunks_in_flight_beside_the_step"
+        ],
     ),
     (
         "the update in the step holds every chunk at once",
@@ -197,7 +203,7 @@ BREAKS = [
         "pipelined(one, inputs, in_flight)",
         "pipelined(one, inputs, len(inputs))",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
         ],
     ),
@@ -207,7 +213,7 @@ BREAKS = [
         '    assert all(c.layer is None for c in chunks), "the update',
         '    order = sorted(order)\n    assert all(c.layer is None for c in chunks), "the update',
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
         ],
     ),
@@ -217,7 +223,7 @@ BREAKS = [
         "        return new_compute, jax.tree.map(jax.device_put, new, home)",
         "        return new_compute, new",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_in_step.py::"
             "test_update_in_step_follows_the_order_and_bounds_the_chunks_on_the_device"
         ],
     ),
@@ -229,8 +235,8 @@ BREAKS = [
         "        return OffloadedStep(self)",
         [
             # The GPU test (its copy-start pairs) is skipped off a GPU.
-            "tests/test_offload.py::test_update_in_step_copies_are_asynchronous_on_gpu",
-            "tests/test_offload.py::test_update_in_step_equals_the_streamed_update",
+            "tests/test_offload_in_step.py::test_update_in_step_copies_are_asynchronous_on_gpu",
+            "tests/test_offload_in_step.py::test_update_in_step_equals_the_streamed_update",
         ],
     ),
     (
@@ -294,7 +300,9 @@ BREAKS = [
         "angel_jax/remat.py",
         "    return tuple(sorted(own, key=lambda r: recomputed(r, matmul_flops, attention_flops)))",
         "    return tuple(own)",
-        ["tests/test_offload.py::test_auto_remat_tries_the_policies_by_what_they_recompute"],
+        [
+            "tests/test_offload_planner.py::test_auto_remat_tries_the_policies_by_what_they_recompute"
+        ],
     ),
     (
         "remat auto tries every remat on the device before the host's tier",
@@ -302,7 +310,7 @@ BREAKS = [
         "    return sorted(pairs, key=cost)",
         "    return pairs",
         [
-            "tests/test_offload.py::test_auto_remat_weighs_the_inputs_copies_against_the_recompute_they_spare"
+            "tests/test_offload_planner.py::test_auto_remat_weighs_the_inputs_copies_against_the_recompute_they_spare"
         ],
     ),
     (
@@ -317,7 +325,9 @@ BREAKS = [
         "angel_jax/offload/planner.py",
         "    return has_attention_results(attention, mesh.shape[CONTEXT])",
         '    return attention == "cudnn" or config.mesh.context != 1',
-        ["tests/test_offload.py::test_auto_remat_tries_the_policies_by_what_they_recompute"],
+        [
+            "tests/test_offload_planner.py::test_auto_remat_tries_the_policies_by_what_they_recompute"
+        ],
     ),
     (
         "fp8 formats are 16-bit",
@@ -477,7 +487,7 @@ BREAKS = [
         "        if self.delayed and self.pending is None:\n            return None\n",
         "        return None\n",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_fetches_its_first_chunks_before_the_step_is_dispatched"
         ],
     ),
@@ -487,7 +497,7 @@ BREAKS = [
         "            into_new=True,\n",
         "            into_new=False,\n",
         [
-            "tests/test_offload.py::test_delayed_update_applies_each_steps_grads_a_step_late"
+            "tests/test_offload_delayed.py::test_delayed_update_applies_each_steps_grads_a_step_late"
             "[False-kw2]"
         ],
     ),
@@ -496,7 +506,9 @@ BREAKS = [
         "angel_jax/steps.py",
         "            for _ in range(slots[j] if j < len(slots) else 0):\n",
         "            for _ in range(0):\n",
-        ["tests/test_offload.py::test_delayed_update_runs_between_the_next_steps_microbatches"],
+        [
+            "tests/test_offload_delayed.py::test_delayed_update_runs_between_the_next_steps_microbatches"
+        ],
     ),
     (
         "the plan leaves out the update's new compute copy beside the microbatches",
@@ -504,9 +516,9 @@ BREAKS = [
         '"new compute params": new_copy},',
         '"new compute params": 0},',
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_plans_its_chunks_and_new_compute_copy",
-            "tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan",
+            "tests/test_offload_delayed.py::test_update_between_microbatches_holds_no_more_than_its_plan",
         ],
     ),
     (
@@ -515,7 +527,7 @@ BREAKS = [
         "    between = again.plan.update_between_microbatches and not",
         "    between = False and again.plan.update_between_microbatches and not",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_taken_once_the_compiled_step_gives_room"
         ],
     ),
@@ -525,7 +537,7 @@ BREAKS = [
         "            _ = self.finish_program\n",
         "            pass\n",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_taken_once_the_compiled_step_gives_room"
         ],
     ),
@@ -535,7 +547,7 @@ BREAKS = [
         "            self._finish_unchecked = other._finish_unchecked\n",
         "            pass\n",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the_step"
         ],
     ),
@@ -545,7 +557,7 @@ BREAKS = [
         "                if self.slot_bytes and old:\n",
         "                if False:\n",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones"
         ],
     ),
@@ -555,7 +567,7 @@ BREAKS = [
         "    return first + [k for k, f in enumerate(fits) if not f]",
         "    return list(range(len(sizes)))",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
         ],
     ),
@@ -565,7 +577,7 @@ BREAKS = [
         "            after = sum(group_bytes[beside:])\n",
         "            after = sum(n for n in moved if n > slot)\n",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_needs_most_of_the_update_beside_them"
         ],
     ),
@@ -575,7 +587,7 @@ BREAKS = [
         "            if nxt < n and (nxt < self.between_groups or g >= self.between_groups):",
         "            if nxt < n:",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
         ],
     ),
@@ -585,9 +597,9 @@ BREAKS = [
         "        keep = self.leaving if self.beside_step and self.between_groups == n else 0",
         "        keep = self.leaving if self.beside_step else 0",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one",
-            "tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan",
+            "tests/test_offload_delayed.py::test_update_between_microbatches_holds_no_more_than_its_plan",
         ],
     ),
     (
@@ -598,14 +610,18 @@ BREAKS = [
             "microbatch.\n                self._make_room(fetched)\n"
         ),
         "            if g not in fetched:\n",
-        ["tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan"],
+        [
+            "tests/test_offload_delayed.py::test_update_between_microbatches_holds_no_more_than_its_plan"
+        ],
     ),
     (
         "the plan counts two slots after the microbatches, not the larger groups there",
         "angel_jax/offload/planner.py",
         '                "update chunks": max([2 * slot, *pairs]),\n',
         '                "update chunks": 2 * slot,\n',
-        ["tests/test_offload.py::test_update_between_microbatches_holds_no_more_than_its_plan"],
+        [
+            "tests/test_offload_delayed.py::test_update_between_microbatches_holds_no_more_than_its_plan"
+        ],
     ),
     (
         "groups larger than a slot are dispatched between microbatches",
@@ -613,7 +629,7 @@ BREAKS = [
         "        return [int(i < self.between_groups) for i in range(count)]",
         "        return [int(i < len(self.groups)) for i in range(count)]",
         [
-            "tests/test_offload.py::"
+            "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
         ],
     ),
@@ -647,7 +663,9 @@ BREAKS = [
         "angel_jax/offload/planner.py",
         '    *ACTIVATIONS,\n    "microbatch grads",\n    "layers in flight",',
         '    *ACTIVATIONS,\n    "layers in flight",',
-        ["tests/test_offload.py::test_microbatch_grads_are_planned_in_the_steps_temporaries"],
+        [
+            "tests/test_offload_planner.py::test_microbatch_grads_are_planned_in_the_steps_temporaries"
+        ],
     ),
     (
         "update chunks not grouped",
@@ -677,8 +695,8 @@ BREAKS = [
             'UPDATE_ONLY = ("update chunks", "chunks beside the step")',
         ),
         [
-            "tests/test_offload.py::test_the_steps_activations_and_the_updates_chunks_are_not_counted_together",
-            "tests/test_offload.py::test_the_updates_groups_beside_the_step_are_the_plans",
+            "tests/test_offload_planner.py::test_the_steps_activations_and_the_updates_chunks_are_not_counted_together",
+            "tests/test_offload_planner.py::test_the_updates_groups_beside_the_step_are_the_plans",
         ],
     ),
     (
@@ -686,7 +704,7 @@ BREAKS = [
         "angel_jax/offload/stream.py",
         "        if not self.beside_step:\n            return {}\n",
         "",
-        ["tests/test_offload.py::test_the_updates_groups_beside_the_step_are_the_plans"],
+        ["tests/test_offload_planner.py::test_the_updates_groups_beside_the_step_are_the_plans"],
     ),
     (
         "last update's groups left beside the step",
@@ -694,7 +712,7 @@ BREAKS = [
         " or id(self._leaving[0]) in older)",
         ")",
         [
-            "tests/test_offload.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"
+            "tests/test_offload_planner.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"
         ],
     ),
     (
@@ -706,7 +724,7 @@ BREAKS = [
             "        keep = self.leaving if self.beside_step and self.between_groups == n else 0\n"
         ),
         [
-            "tests/test_offload.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"
+            "tests/test_offload_planner.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"
         ],
     ),
     (
@@ -728,7 +746,7 @@ BREAKS = [
         "angel_jax/train.py",
         "        model_config = dataclasses.replace(model_config, remat=layout.plan.remat)\n",
         "        pass\n",
-        ["tests/test_offload.py::test_auto_remat_is_the_fastest_that_fits"],
+        ["tests/test_offload_planner.py::test_auto_remat_is_the_fastest_that_fits"],
     ),
     (
         "auto remat not checked against the compiled step",
@@ -736,7 +754,7 @@ BREAKS = [
         "    if not (exp.plan.offloads_optimizer or picks_remat):",
         "    if not exp.plan.offloads_optimizer:",
         [
-            "tests/test_offload.py::test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device"
+            "tests/test_offload_planner.py::test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device"
         ],
     ),
     (
@@ -745,7 +763,7 @@ BREAKS = [
         "    return _with_a_faster_remat(config, mesh, exp) if picks_remat and not extra else exp",
         "    return exp",
         [
-            "tests/test_offload.py::test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room"
+            "tests/test_offload_planner.py::test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room"
         ],
     ),
     (
@@ -762,7 +780,9 @@ BREAKS = [
         "angel_jax/offload/tiers.py",
         '        if not device and first.platform != "cpu":',
         "        if False:",
-        ["tests/test_offload.py::test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget"],
+        [
+            "tests/test_offload_planner.py::test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget"
+        ],
     ),
 ]
 

@@ -3,9 +3,9 @@
 The tests' models are tiny, so compiling dominates their time: LLVM's optimisation level 0
 compiles about a third faster (the MoE expert-parallel test: 29 s -> 18 s) and changes no HLO,
 and one persistent compilation cache for the run compiles each program once, though many
-tests build the same reference runs (tests/test_offload.py: 348 s -> 201 s on 2 workers). The
-cache's key is the program and the compile options, so a test never gets another's program;
-launcher subprocesses inherit it.
+tests build the same reference runs (the offload tests, one file then: 348 s -> 201 s on 2
+workers). The cache's key is the program and the compile options, so a test never gets
+another's program; launcher subprocesses inherit it.
 """
 
 import atexit
