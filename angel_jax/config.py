@@ -181,7 +181,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     # ZeRO-Cache: where model states live (angel_jax/offload/planner.py).
     c.offload = ml_collections.ConfigDict()
-    c.offload.policy = "none"  # none | optimizer (master params + optimizer state on host) | auto.
+    c.offload.policy = "none"  # none | optimizer | params | auto: README "ZeRO-Cache offload".
     c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
     c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
     # Each layer's input (what remat keeps for the backward pass): auto (the planner's choice:
