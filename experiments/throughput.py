@@ -556,7 +556,7 @@ def machine() -> dict:
         env={
             k: v
             for k, v in os.environ.items()
-            if k.startswith(("XLA_", "JAX_", "MALLOC_", "GPU_", "COMPILE_FOR_"))
+            if k.startswith(("XLA_", "JAX_", "TF_", "MALLOC_", "GPU_", "COMPILE_FOR_", "TRACE_"))
         },
     )
 
