@@ -11,8 +11,8 @@ child processes go through `run`: with RUN_TIMEOUT_S=N in the environment each i
 N seconds and recorded as timed out, and the experiment goes on to its next run (a device
 call's time limit otherwise ends the whole job, and its file, at the first slow child); with
 RUN_LOG_DIR=DIR each child's stderr is kept in a file there. With TRACE_DISPATCH_MEMORY=1 a
-child records the device allocator at each of an offloaded step's dispatches
-(`trace_dispatch_memory`).
+child records the device allocator at each of an offloaded step's dispatches and at the
+update's allocations between them (`trace_dispatch_memory`).
 """
 
 import argparse
@@ -417,33 +417,50 @@ def collective_schedule(hlo_text: str) -> dict:
 
 
 def trace_dispatch_memory(exp) -> list[tuple[str, int, int]]:
-    """(program, bytes in use, largest free block) of the device allocator as each of an
-    offloaded step's programs is dispatched (a microbatch's, or a group of the streamed
-    update's), from here on; each also printed to stderr as it comes, so that a run that dies
-    out of memory leaves them in its log. The allocator's view at a dispatch is the host's
-    (PJRT allocates then): a microbatch's temporaries need one block of their size, so a largest
-    free block below them with the bytes in use within the plan is a fragmented pool, not a
-    plan overrun."""
+    """(call, bytes in use, largest free block) of the device allocator at each of an offloaded
+    step's programs' dispatches (a microbatch's, or a group of the streamed update's) and after
+    each of the update's allocations between them (a group's fetch, a new compute copy), from
+    here on; each also printed to stderr as it comes, so that a run that dies out of memory
+    leaves them in its log. The allocator's view at a dispatch is the host's (PJRT allocates
+    then, and frees a program's temporaries as soon as it is queued): a microbatch's temporaries
+    need one block of their size, so a largest free block below them with the bytes in use
+    within the plan is a fragmented pool, not a plan overrun, and a fetch after which the
+    largest free block shrank took its arrays from the block the temporaries left."""
+    from angel_jax.offload import stream
+
     device, out = exp.mesh.devices.flat[0], []
 
-    def traced(name, fn):
+    def record(name):
+        stats = device.memory_stats() or {}
+        row = (name, stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", 0))
+        out.append(row)
+        used, free = (f"{b / 2**30:.2f} GiB" for b in row[1:])
+        print(f"allocator at {name}: in use {used}, largest free block {free}", file=sys.stderr)
+
+    def before(name, fn):
         def call(*args, **kwargs):
-            stats = device.memory_stats() or {}
-            row = (name, stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", 0))
-            out.append(row)
-            used, free = (f"{b / 2**30:.2f} GiB" for b in row[1:])
-            print(f"dispatch {name}: in use {used}, largest free block {free}", file=sys.stderr)
+            record(name)
             return fn(*args, **kwargs)
+
+        return call
+
+    def after(name, fn):
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            record(name)
+            return result
 
         return call
 
     steps = exp.steps
     if getattr(steps, "between_microbatches", False):
-        steps.program = traced("microbatch", steps.program)  # `_microbatched` reads it.
+        steps.program = before("microbatch", steps.program)  # `_microbatched` reads it.
     update = exp.streamed_update
     if update is not None:
         fn = update._fn
-        update._fn = lambda ks, *args: traced("update group", fn(ks, *args))
+        update._fn = lambda ks, *args: before("update group", fn(ks, *args))
+        update._fetch = after("after fetch group", update._fetch)
+        stream._zeros_like = after("after new compute copy", stream._zeros_like)
     return out
 
 

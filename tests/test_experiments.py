@@ -1,6 +1,7 @@
 """The benchmarks' shared child runner (experiments/throughput.py `run`), and their parts that
 run on the CPU."""
 
+import collections
 import json
 import os
 import pathlib
@@ -9,6 +10,7 @@ import sys
 import threading
 import time
 
+import jax
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
@@ -332,3 +334,41 @@ def test_dispatch_memory_keeps_the_most_in_use_and_the_smallest_largest_free_blo
         "microbatch": {"dispatches": 2, "most_in_use_gib": 95.0, "least_largest_free_gib": 30.0},
         "update group": {"dispatches": 1, "most_in_use_gib": 60.0, "least_largest_free_gib": 70.0},
     }
+
+
+def test_dispatch_memory_is_recorded_at_each_dispatch_and_allocation_between_microbatches(
+    monkeypatch,
+):
+    """TRACE_DISPATCH_MEMORY's hooks on an update between microbatches: a row at every
+    microbatch's and update group's dispatch, and after every group's fetch and every new
+    compute copy (on the CPU the allocator keeps no statistics: the calls are what is checked)."""
+    from angel_jax.data import make_batches
+    from angel_jax.mesh import make_mesh
+    from angel_jax.offload import stream
+    from angel_jax.train import build
+    from tests.test_offload import DELAYED
+    from tests.test_train_parity import small_config
+
+    config = small_config(
+        microbatches=4, train__batch_size=32, offload__delayed_update=True, **DELAYED
+    )
+    exp = build(config, make_mesh(config.mesh))
+    assert exp.steps.between_microbatches
+    monkeypatch.setattr(stream, "_zeros_like", stream._zeros_like)  # Put back after the test.
+    rows = throughput.trace_dispatch_memory(exp)
+    state = exp.init_state()
+    for batch in make_batches(config)[:2]:  # The second step runs the first's update.
+        state, _ = exp.train_step(state, exp.global_batch(batch))
+    groups = len(exp.streamed_update.groups)
+    weights = len(jax.tree.leaves(state.compute_params))
+    assert collections.Counter(name for name, _, _ in rows) == {
+        "microbatch": 8,
+        "update group": groups,
+        "after fetch group": groups,
+        "after new compute copy": weights,
+    }
+    calls = [name for name, _, _ in rows if name != "after new compute copy"]
+    # The first step has no update waiting; each group is fetched before the microbatch that
+    # its update is dispatched after.
+    fetched_ahead = ["after fetch group", "microbatch", "update group", "after fetch group"]
+    assert calls[:8] == ["microbatch"] * 4 + fetched_ahead, calls
