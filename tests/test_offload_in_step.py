@@ -17,9 +17,7 @@ from angel_jax.config import ConfigError
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload import planner, stream
-from angel_jax.offload.groups import (
-    chunk_part,
-)
+from angel_jax.offload.groups import chunk_part
 from angel_jax.offload.tiers import DEVICE, HOST
 from angel_jax.optim import Optimizer
 from angel_jax.train import build

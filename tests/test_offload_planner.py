@@ -16,9 +16,7 @@ from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload import planner, tiers
-from angel_jax.offload.groups import (
-    beside_step_groups,
-)
+from angel_jax.offload.groups import beside_step_groups
 from angel_jax.offload.planner import check_compiled
 from angel_jax.offload.tiers import DEVICE, HOST, USABLE
 from angel_jax.train import build
