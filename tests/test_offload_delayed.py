@@ -493,3 +493,34 @@ def test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the
 def test_delayed_update_needs_an_offloaded_update():
     with pytest.raises(ConfigError, match="delayed_update=true delays the offloaded"):
         build(small_config(offload__delayed_update=True), make_mesh(small_config().mesh))
+
+
+def test_auto_plans_of_the_update_between_microbatches_plan_or_refuse_at_any_budget():
+    """`auto` tries the update between microbatches with more and more chunks resident; where
+    they leave no room it plans the update after the step (its chunks as `chunks_in_flight`
+    has them). Across the budgets between the `optimizer` and the `none` plans' needs each
+    build plans, or refuses with a ConfigError (e.g. `none` fits: nothing to delay); the
+    8B's plan at 128 GiB ran into a name of the planner's instead (UnboundLocalError)."""
+    kw = dict(
+        zero_stage=3,
+        mesh__data=8,
+        model__num_layers=8,
+        offload__host_gib=64,
+        offload__cpu_update=0.0,
+        microbatches=4,
+        train__batch_size=32,
+    )
+    mesh = make_mesh(small_config(**kw).mesh)
+    plan = lambda policy, **more: (
+        build(small_config(offload__policy=policy, **kw, **more), mesh, fit_compiled=False).plan
+    )
+    low = plan("optimizer", offload__delayed_update=True).tier_bytes(DEVICE)
+    high = plan("none").tier_bytes(DEVICE)
+    policies = set()
+    for need in np.linspace(min(low, high), max(low, high), 40):  # The bug's window: 3 of them.
+        gib = need / USABLE / 2**30
+        try:
+            policies.add(plan("auto", offload__delayed_update=True, offload__device_gib=gib).policy)
+        except ConfigError:
+            policies.add("refused")
+    assert {"optimizer", "refused"} <= policies, policies

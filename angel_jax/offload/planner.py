@@ -323,15 +323,16 @@ def _with_step_chunks(
     if not plan.offloads_optimizer:
         return plan
     updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
-    tiers = [plan.chunk_tier(*key) for key, _ in updated]
+    chunk_tiers = [plan.chunk_tier(*key) for key, _ in updated]
     sizes = [size for _, size in updated]
     if in_step:  # Held in the step's temporaries, where the compiled step counts them.
-        moved = sorted((n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE), reverse=True)
+        moved = [n for n, t in zip(sizes, chunk_tiers, strict=True) if t != DEVICE]
+        moved.sort(reverse=True)
         state_bytes = {**plan.state_bytes, "chunks in the step": sum(moved[:in_flight])}
         placement = {**plan.placement, "chunks in the step": DEVICE}
         if speculative:
             by_tier = collections.Counter()
-            for n, t in zip(sizes, tiers, strict=True):
+            for n, t in zip(sizes, chunk_tiers, strict=True):
                 by_tier[t] += n
             state_bytes["old state kept"] = by_tier[HOST]
             state_bytes["old device state kept"] = (
@@ -340,7 +341,7 @@ def _with_step_chunks(
             placement.update({"old state kept": HOST, "old device state kept": DEVICE})
         return dataclasses.replace(plan, state_bytes=state_bytes, placement=placement)
     placement = {**plan.placement, "chunks beside the step": DEVICE}
-    moved = [n for n, t in zip(sizes, tiers, strict=True) if t != DEVICE]
+    moved = [n for n, t in zip(sizes, chunk_tiers, strict=True) if t != DEVICE]
     if slots and moved:
         # The room beside the microbatches, without the update's chunks (or after the step)
         # and its new compute copy.
@@ -359,8 +360,9 @@ def _with_step_chunks(
             slot = slot_size(moved, slots, limit)
             if not slot:
                 break
-            order = slot_order(sizes, tiers, slot)
-            groups = group_chunks(*([x[k] for k in order] for x in (sizes, tiers, parts)), 2, slot)
+            order = slot_order(sizes, chunk_tiers, slot)
+            in_order = ([x[k] for k in order] for x in (sizes, chunk_tiers, parts))
+            groups = group_chunks(*in_order, 2, slot)
             new_copy = new_compute_bytes(groups, [weights[k] for k in order], weight_bytes)
             fits = (room - new_copy) // 2
             if slot <= fits:
@@ -370,7 +372,9 @@ def _with_step_chunks(
         else:
             slot = 0
         if slot:
-            moved_bytes = lambda ks: sum(sizes[order[i]] for i in ks if tiers[order[i]] != DEVICE)
+            moved_bytes = lambda ks: sum(
+                sizes[order[i]] for i in ks if chunk_tiers[order[i]] != DEVICE
+            )
             group_bytes = [moved_bytes(ks) for ks in groups]
             # After the last microbatch: the groups past the slots, and those larger than one.
             beside = min(sum(n <= slot for n in group_bytes), slots)
@@ -379,13 +383,13 @@ def _with_step_chunks(
         if slot and 2 * after < sum(moved):
             # After the microbatches two groups at a time, the larger ones among them.
             pairs = [a + b for a, b in zip(group_bytes, group_bytes[1:], strict=False)]
-            in_flight_bytes = {
+            flight_bytes = {
                 "chunks beside the step": 2 * slot,
                 "update chunks": max([2 * slot, *pairs]),
             }
             return dataclasses.replace(
                 plan,
-                state_bytes={**held, **in_flight_bytes, "new compute params": new_copy},
+                state_bytes={**held, **flight_bytes, "new compute params": new_copy},
                 placement=placement,
                 copies_beside_step=True,
                 slot_bytes=slot,
@@ -395,8 +399,8 @@ def _with_step_chunks(
         state_bytes["update chunks"] = in_flight_bytes(chunks, in_flight)
     plan = dataclasses.replace(plan, state_bytes=state_bytes, slot_bytes=0)
     parts = [chunk_part(key[0]) for key, _ in updated]
-    groups = group_chunks(sizes, tiers, parts, in_flight)
-    fetched, leaving = beside_step_groups(tiers, groups, in_flight)
+    groups = group_chunks(sizes, chunk_tiers, parts, in_flight)
+    fetched, leaving = beside_step_groups(chunk_tiers, groups, in_flight)
     beside = sum(sizes[k] for g in {*fetched, *leaving} for k in groups[g])
     state_bytes = {**plan.state_bytes, "chunks beside the step": beside}
     with_them = dataclasses.replace(
