@@ -419,15 +419,14 @@ def collective_schedule(hlo_text: str) -> dict:
 def trace_dispatch_memory(exp) -> list[tuple[str, int, int]]:
     """(call, bytes in use, largest free block) of the device allocator at each of an offloaded
     step's programs' dispatches (a microbatch's, or a group of the streamed update's) and after
-    each of the update's allocations between them (a group's fetch, a new compute copy), from
-    here on; each also printed to stderr as it comes, so that a run that dies out of memory
-    leaves them in its log. The allocator's view at a dispatch is the host's (PJRT allocates
-    then, and frees a program's temporaries as soon as it is queued): a microbatch's temporaries
-    need one block of their size, so a largest free block below them with the bytes in use
-    within the plan is a fragmented pool, not a plan overrun, and a fetch after which the
-    largest free block shrank took its arrays from the block the temporaries left."""
-    from angel_jax.offload import stream
-
+    each group's fetch (the update's allocations between them are those and its programs'
+    outputs), from here on; each also printed to stderr as it comes, so that a run that dies
+    out of memory leaves them in its log. The allocator's view at a dispatch is the host's
+    (PJRT allocates then, and frees a program's temporaries as soon as it is queued): a
+    microbatch's temporaries need one block of their size, so a largest free block below them
+    with the bytes in use within the plan is a fragmented pool, not a plan overrun, and a
+    fetch after which the largest free block shrank took its arrays from the block the
+    temporaries left."""
     device, out = exp.mesh.devices.flat[0], []
 
     def record(name):
@@ -460,7 +459,6 @@ def trace_dispatch_memory(exp) -> list[tuple[str, int, int]]:
         fn = update._fn
         update._fn = lambda ks, *args: before("update group", fn(ks, *args))
         update._fetch = after("after fetch group", update._fetch)
-        stream._zeros_like = after("after new compute copy", stream._zeros_like)
     return out
 
 

@@ -794,6 +794,17 @@ BREAKS = [
             "test_dispatch_memory_is_recorded_at_each_dispatch_and_allocation_between_microbatches"
         ],
     ),
+    (
+        "the update between microbatches writes the new compute copy into new buffers",
+        "angel_jax/offload/stream.py",
+        "    return jax.jit(write_new_compute_copy, out_shardings=sharding, donate_argnums=0)\n"
+        "\n\n@functools.cache\ndef _overwrite",
+        "    return jax.jit(write_new_compute_copy, out_shardings=sharding)\n"
+        "\n\n@functools.cache\ndef _overwrite",
+        [
+            "tests/test_offload_delayed.py::test_update_between_microbatches_keeps_the_compute_copys_buffers"
+        ],
+    ),
 ]
 
 

@@ -104,11 +104,12 @@ def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int
 
 def new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes: dict) -> int:
     """What the new compute copy of an update between microbatches holds beyond the waiting
-    float32 grads, at its most: a weight's new copy is made as the first group that updates
-    it is dispatched, its grads go once the last such group has run (`StreamedUpdate.stages`);
-    the host cores' weights' copies are made at the end. `groups`: the device's groups of
-    chunk indices into `weights` (each chunk's weight); `weight_bytes`: weight -> (its compute
-    copy's bytes, its float32 grads' bytes)."""
+    float32 grads, at its most, counted as each weight's whole copy from the first group that
+    updates it (its parts come one group at a time, `StreamedUpdate.stages`: an upper bound);
+    its grads go once the last such group has run. The host cores' parts are written into
+    the copy at the end. `groups`: the device's groups of chunk indices into `weights` (each
+    chunk's weight); `weight_bytes`: weight -> (its compute copy's bytes, its float32 grads'
+    bytes)."""
     first, last = {}, {}
     for g, ks in enumerate(groups):
         for k in ks:

@@ -410,10 +410,16 @@ class StreamedUpdate:
         of layers for stacked weights, with None for chunks on the SSD tier; `on_cpu`: the
         host's share as `start_on_cpu` returned it, if started already; `fetched`: what
         `prefetch` returned for these masters and states. Returns the new (masters, states,
-        compute) likewise; donates `masters`, `states` and `compute`, but with `into_new`
-        the new compute copy goes into new arrays (a weight's made as its first group is
-        dispatched) and `compute` is left as it was, for programs dispatched between the
-        groups to read. A weight's grads are let go after its last group.
+        compute) likewise; donates `masters`, `states` and `compute`. With `into_new` the
+        groups' programs leave `compute` as it was, for programs dispatched between them to
+        read: each makes its chunks' new compute slices (a layer of a stacked weight, or a
+        weight whole), which wait beside it and go into it in place once the last group is
+        dispatched. So the compute copy keeps its buffers from step to step: new ones made
+        each step at other addresses, around a microbatch's temporaries' block freed as it is
+        queued, fragment the device pool (`experiments/allocator_model.py`, a model of XLA's
+        best-fit pool fed the 8B's groups: with new buffers its fifth step finds no 37.5 GiB
+        block with 43 GiB free; in place it runs 40). A weight's grads are let go after its
+        last group.
         """
         chunks, groups, n = self.chunks, self.groups, len(self.groups)
         grads = list(grads)
@@ -432,7 +438,8 @@ class StreamedUpdate:
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
             for tree in (masters, states)
         )
-        old_compute, compute = compute, [None] * len(compute) if into_new else list(compute)
+        compute = list(compute)
+        slices = collections.defaultdict(list)  # With `into_new`: weight -> [(layer, slice)].
 
         def put(tree, c, value):
             if c.layer is None:
@@ -462,23 +469,25 @@ class StreamedUpdate:
                     _delete(old)
                     old = []
             weights = list(dict.fromkeys(c.weight for c in group))
-            for w in weights:
-                if compute[w] is None:
-                    compute[w] = _zeros_like(old_compute[w])
             layer_grads = [
                 grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
                 for c in group
             ]
-            new_masters, new_states, new_compute = self._fn(ks, layer_grads, compute)(
+            new_masters, new_states, new_compute = self._fn(ks, layer_grads, compute, into_new)(
                 layer_grads,
                 [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
                 scale,
                 [x[0] for x in leaves],
                 [self._moves[k][0].unflatten(x[1:]) for k, x in zip(ks, leaves, strict=True)],
-                [compute[w] for w in weights],
+                [] if into_new else [compute[w] for w in weights],
             )
-            for w, x in zip(weights, new_compute, strict=True):
-                compute[w] = x
+            if into_new:
+                for c, x in zip(group, new_compute, strict=True):
+                    slices[c.weight].append((c.layer, x))
+            else:
+                for w, x in zip(weights, new_compute, strict=True):
+                    compute[w] = x
+            for w in weights:
                 if self._last_group[w] == g:
                     grads[w] = None  # Its arrays go once the programs reading them are done.
             outs = [
@@ -512,15 +521,11 @@ class StreamedUpdate:
         while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
             self._send_off(self._leaving.popleft())
         self._delete_ready()
+        for w, written in slices.items():
+            compute[w] = _write_parts(compute[w], written)
         start = time.perf_counter()
         for c, new in on_cpu:
-            if compute[c.weight] is None:
-                compute[c.weight] = _zeros_like(old_compute[c.weight])
-            compute[c.weight] = _into_compute(compute[c.weight], new.result(), c.layer)
-        # A weight no chunk updates keeps its copy.
-        compute = [
-            old if new is None else new for old, new in zip(old_compute, compute, strict=True)
-        ]
+            compute[c.weight] = _write_parts(compute[c.weight], [(c.layer, new.result())])
         if self.cpu:  # Waited for the host's cores, and copying their weights up.
             self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
@@ -581,31 +586,37 @@ class StreamedUpdate:
         """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
         return self.cpu.update(grads, scale, compute) if self.cpu else []
 
-    def _fn(self, ks: list[int], grads: list, compute: list):
+    def _fn(self, ks: list[int], grads: list, compute: list, slices: bool = False):
         """The jitted update of a group of chunks: one program per sequence of weights alike
         (and whether each grad is stacked), not per layer, so groups alike share it: a
         stacked weight's layers, and unrolled layers' weights (their paths alike but for the
-        layer's number, their shapes and shardings alike)."""
+        layer's number, their shapes and shardings alike). It writes the new compute copy
+        into `compute`'s arrays (donated), or with `slices` returns each chunk's part of it
+        (`stages`' `into_new`)."""
         group = [self.chunks[k] for k in ks]
         # Stacked grads: the program picks the layer.
         indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
         weights = list(dict.fromkeys(c.weight for c in group))
         position = {w: i for i, w in enumerate(weights)}
-        key = tuple(
-            (
-                self._alike[k],
-                position[c.weight],
-                i,
-                jax.typeof(compute[c.weight]),
-                compute[c.weight].sharding,
-            )
-            for k, c, i in zip(ks, group, indexed, strict=True)
+        key = (
+            slices,
+            *(
+                (
+                    self._alike[k],
+                    position[c.weight],
+                    i,
+                    jax.typeof(compute[c.weight]),
+                    compute[c.weight].sharding,
+                )
+                for k, c, i in zip(ks, group, indexed, strict=True)
+            ),
         )
         if key not in self._fns:
+            dtypes = {w: compute[w].dtype for w in weights}
 
             def update(grads, layers, scale, masters, states, computes):
-                computes = dict(zip(weights, computes, strict=True))
-                new_masters, new_states = [], []
+                computes = {} if slices else dict(zip(weights, computes, strict=True))
+                new_masters, new_states, new_slices = [], [], []
                 for c, is_indexed, grad, layer, master, state in zip(
                     group, indexed, grads, layers, masters, states, strict=True
                 ):
@@ -614,22 +625,31 @@ class StreamedUpdate:
                     master, state = self.optimizer.update_leaf(
                         c.path, fetch_f32(grad) * scale, state, master
                     )
+                    new_masters.append(master)
+                    new_states.append(state)
+                    if slices:
+                        new_slices.append(master.astype(dtypes[c.weight]))
+                        continue
                     target = computes[c.weight]
                     new = master.astype(target.dtype)
                     if c.layer is not None:
                         new = jax.device_put(new, jax.typeof(target).memory_space)
                         new = jax.lax.dynamic_update_index_in_dim(target, new, layer, 0)
                     computes[c.weight] = new
-                    new_masters.append(master)
-                    new_states.append(state)
+                if slices:
+                    return new_masters, new_states, new_slices
                 return new_masters, new_states, [computes[w] for w in weights]
 
+            if slices:
+                outs = [_part_sharding(compute[c.weight].sharding, c.layer) for c in group]
+            else:
+                outs = [compute[w].sharding for w in weights]
             self._fns[key] = jax.jit(
                 update,
                 out_shardings=(
                     [c.master_sharding for c in group],
                     [c.state_sharding for c in group],
-                    [compute[w].sharding for w in weights],
+                    outs,
                 ),
                 donate_argnums=(3, 4, 5),  # The compute copies are updated in place.
             )
@@ -641,43 +661,50 @@ def chunk_bytes(c: Chunk) -> int:
     return local_bytes([c.master, c.state])
 
 
-def _zeros_like(x: jax.Array) -> jax.Array:
-    """A new array of `x`'s shape, dtype and sharding, for a new compute copy to go into."""
-    return _zeros(x.shape, x.dtype, x.sharding)()
+def _part_sharding(sharding: NamedSharding, layer: int | None) -> NamedSharding:
+    """The sharding of a chunk's part of a compute copy of `sharding`: a layer of a stacked
+    weight (the leading axis gone), or the weight whole."""
+    if layer is None:
+        return sharding
+    return sharding.update(spec=P(*tuple(sharding.spec)[1:]))
+
+
+def _write_parts(compute: jax.Array, written: list) -> jax.Array:
+    """`compute` with each of `written`'s (layer, new part) in its place, in place (donated):
+    a stacked weight's layers, or (layer None) the weight whole; parts in pinned host memory
+    (the host cores' share) are copied up by the program."""
+    if [layer for layer, _ in written] == [None]:
+        return _overwrite(compute.sharding)(compute, written[0][1])
+    mesh = compute.sharding.mesh
+    layers = [layer_index(mesh, layer) for layer, _ in written]
+    return _set_layers(compute.sharding)(compute, [x for _, x in written], layers)
 
 
 @functools.cache
-def _zeros(shape, dtype, sharding):
-    def new_compute_copy():  # Named: a profile or an error names the program by it.
-        return jnp.zeros(shape, dtype)
+def _set_layers(sharding):
+    def write_new_compute_copy(stacked, news, layers):  # Named for profiles and errors.
+        space = jax.typeof(stacked).memory_space
+        for new, layer in zip(news, layers, strict=True):
+            new = jax.device_put(new, space)
+            stacked = jax.lax.dynamic_update_index_in_dim(stacked, new, layer, 0)
+        return stacked
 
-    return jax.jit(new_compute_copy, out_shardings=sharding)
+    return jax.jit(write_new_compute_copy, out_shardings=sharding, donate_argnums=0)
 
 
-def _into_compute(compute: jax.Array, new: jax.Array, layer: int | None) -> jax.Array:
-    """The compute copy with `new` (a weight, or a layer of a stacked one, in pinned host
-    memory) in its place; a stacked copy is updated in place (donated)."""
-    if layer is None:
-        out = jax.device_put(new, compute.sharding)
-        compute.delete()
-        return out
-    index = layer_index(compute.sharding.mesh, layer)
-    return _set_layer(compute.sharding)(compute, new, index)
+@functools.cache
+def _overwrite(sharding):
+    def write_new_compute_copy(old, new):
+        new = jax.device_put(new, jax.typeof(old).memory_space)
+        return jax.lax.dynamic_update_slice(old, new, (0,) * old.ndim)
+
+    return jax.jit(write_new_compute_copy, out_shardings=sharding, donate_argnums=0)
 
 
 @functools.cache
 def layer_index(mesh, layer: int) -> jax.Array:
     """A layer as a replicated device scalar, made once (no host->device copy per step)."""
     return jax.device_put(np.int32(layer), NamedSharding(mesh, P()))
-
-
-@functools.cache
-def _set_layer(sharding):
-    def set_layer(stacked, new, layer):
-        new = jax.device_put(new, jax.typeof(stacked).memory_space)
-        return jax.lax.dynamic_update_index_in_dim(stacked, new, layer, 0)
-
-    return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
 
 
 def _done(x) -> bool:
