@@ -412,8 +412,8 @@ class StreamedUpdate:
         `prefetch` returned for these masters and states. Returns the new (masters, states,
         compute) likewise; donates `masters`, `states` and `compute`. With `into_new` the
         groups' programs leave `compute` as it was, for programs dispatched between them to
-        read: each makes its chunks' new compute slices (a layer of a stacked weight, or a
-        weight whole), which wait beside it and go into it in place once the last group is
+        read: each makes its chunks' parts of the new compute copy (a layer of a stacked weight,
+        or a weight whole), which wait beside it and go into it in place once the last group is
         dispatched. So the compute copy keeps its buffers from step to step: new ones made
         each step at other addresses, around a microbatch's temporaries' block freed as it is
         queued, fragment the device pool (`experiments/allocator_model.py`, a model of XLA's
@@ -439,7 +439,7 @@ class StreamedUpdate:
             for tree in (masters, states)
         )
         compute = list(compute)
-        slices = collections.defaultdict(list)  # With `into_new`: weight -> [(layer, slice)].
+        parts = collections.defaultdict(list)  # With `into_new`: weight -> [(layer, part)].
 
         def put(tree, c, value):
             if c.layer is None:
@@ -483,7 +483,7 @@ class StreamedUpdate:
             )
             if into_new:
                 for c, x in zip(group, new_compute, strict=True):
-                    slices[c.weight].append((c.layer, x))
+                    parts[c.weight].append((c.layer, x))
             else:
                 for w, x in zip(weights, new_compute, strict=True):
                     compute[w] = x
@@ -521,7 +521,7 @@ class StreamedUpdate:
         while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
             self._send_off(self._leaving.popleft())
         self._delete_ready()
-        for w, written in slices.items():
+        for w, written in parts.items():
             compute[w] = _write_parts(compute[w], written)
         start = time.perf_counter()
         for c, new in on_cpu:
@@ -586,12 +586,12 @@ class StreamedUpdate:
         """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
         return self.cpu.update(grads, scale, compute) if self.cpu else []
 
-    def _fn(self, ks: list[int], grads: list, compute: list, slices: bool = False):
+    def _fn(self, ks: list[int], grads: list, compute: list, parts: bool = False):
         """The jitted update of a group of chunks: one program per sequence of weights alike
         (and whether each grad is stacked), not per layer, so groups alike share it: a
         stacked weight's layers, and unrolled layers' weights (their paths alike but for the
         layer's number, their shapes and shardings alike). It writes the new compute copy
-        into `compute`'s arrays (donated), or with `slices` returns each chunk's part of it
+        into `compute`'s arrays (donated), or with `parts` returns each chunk's part of it
         (`stages`' `into_new`)."""
         group = [self.chunks[k] for k in ks]
         # Stacked grads: the program picks the layer.
@@ -599,7 +599,7 @@ class StreamedUpdate:
         weights = list(dict.fromkeys(c.weight for c in group))
         position = {w: i for i, w in enumerate(weights)}
         key = (
-            slices,
+            parts,
             *(
                 (
                     self._alike[k],
@@ -615,8 +615,8 @@ class StreamedUpdate:
             dtypes = {w: compute[w].dtype for w in weights}
 
             def update(grads, layers, scale, masters, states, computes):
-                computes = {} if slices else dict(zip(weights, computes, strict=True))
-                new_masters, new_states, new_slices = [], [], []
+                computes = {} if parts else dict(zip(weights, computes, strict=True))
+                new_masters, new_states, new_parts = [], [], []
                 for c, is_indexed, grad, layer, master, state in zip(
                     group, indexed, grads, layers, masters, states, strict=True
                 ):
@@ -627,8 +627,8 @@ class StreamedUpdate:
                     )
                     new_masters.append(master)
                     new_states.append(state)
-                    if slices:
-                        new_slices.append(master.astype(dtypes[c.weight]))
+                    if parts:
+                        new_parts.append(master.astype(dtypes[c.weight]))
                         continue
                     target = computes[c.weight]
                     new = master.astype(target.dtype)
@@ -636,11 +636,11 @@ class StreamedUpdate:
                         new = jax.device_put(new, jax.typeof(target).memory_space)
                         new = jax.lax.dynamic_update_index_in_dim(target, new, layer, 0)
                     computes[c.weight] = new
-                if slices:
-                    return new_masters, new_states, new_slices
+                if parts:
+                    return new_masters, new_states, new_parts
                 return new_masters, new_states, [computes[w] for w in weights]
 
-            if slices:
+            if parts:
                 outs = [_part_sharding(compute[c.weight].sharding, c.layer) for c in group]
             else:
                 outs = [compute[w].sharding for w in weights]
