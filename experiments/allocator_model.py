@@ -66,25 +66,29 @@ class BestFit:
         return max(self.free.values(), default=0)
 
 
+# The GPU run this models (offload_throughput.py's variant), with the budgets and remat it had.
+VARIANT = "llama3_8b auto, 16 x 8192 in 16 microbatches, delayed, device update"
+ON_THE_H200 = [
+    "--config.offload.device_gib=132.81",
+    "--config.offload.host_gib=95",
+    "--config.model.remat=dots_attention",  # What remat auto took there.
+]
+
+
 def plan_8b(compiled_under: float):
-    """The 8B's plan and update (one device, the H200's budget) with the compiled step's
-    temporaries `compiled_under` GiB under the estimate, as on the GPU."""
+    """The variant's config and build, the compiled step's temporaries `compiled_under` GiB
+    under the estimate, as on the GPU."""
     sys.path.insert(0, str(ROOT))
-    import importlib.util
+    from offload_throughput import VARIANTS
 
     from angel_jax import train
+    from angel_jax.config import load_config
     from angel_jax.mesh import make_mesh
 
-    spec = importlib.util.spec_from_file_location("cfg", ROOT / "configs/llama3_8b.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
-    c.zero_stage, c.train.batch_size, c.train.microbatches = 1, 16, 16
-    c.offload.policy, c.offload.cpu_update, c.offload.delayed_update = "auto", 0.0, True
-    c.offload.device_gib, c.offload.host_gib = 132.81, 95.0
-    c.model.remat = "dots_attention"  # What remat auto took there.
-    exp = train._build(c, make_mesh(c.mesh), {(True, c.model.remat): -int(compiled_under * GiB)})
-    return c, exp
+    _, name, overrides, _ = next(v for v in VARIANTS if v[0] == VARIANT)
+    c = load_config(str(ROOT / f"configs/{name}.py"), [*overrides, *ON_THE_H200])
+    extra = {(True, c.model.remat): -int(compiled_under * GiB)}
+    return c, train._build(c, make_mesh(c.mesh), extra)
 
 
 class Replay:
@@ -188,14 +192,13 @@ class Replay:
             self.home(g)
         for name in [n for n in m.at if n.startswith(f"sums {self.step - 1} ")]:
             m.release(name)  # The last groups' grads, and any weight no group updates.
-        for w in range(len(self.compute)):
-            if self.in_place:  # Written into the copy; the parts go.
-                for k, ch in enumerate(self.chunks):
-                    if ch.weight == w:
-                        m.release(f"part {self.step} {k}")
-            else:
+        if self.in_place:  # Written into the copy; the parts go.
+            for k in range(len(self.chunks)):
+                m.release(f"part {self.step} {k}")
+        else:  # The old copy goes.
+            for w in range(len(self.compute)):
                 m.release(f"compute {self.copy} {w}")
-        self.copy = self.copy if self.in_place else self.step
+            self.copy = self.step
 
 
 def main():
@@ -206,7 +209,6 @@ def main():
     p.add_argument("--compiled-under-gib", type=float, default=10.5)
     p.add_argument("--out", default=str(ROOT / "experiments/results/allocator_model_8b.json"))
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "experiments"))
     from throughput import write_results
 
     c, exp = plan_8b(args.compiled_under_gib)

@@ -119,18 +119,16 @@ def test_layer_streaming_equals_on_device(mesh):
     assert jaxpr.count("device_put") >= 2 * 9
 
 
+# The small model with eight layers, ZeRO-3 over 8 devices: room on the device to fill.
+EIGHT_LAYERS = dict(zero_stage=3, mesh__data=8, model__num_layers=8, offload__host_gib=64)
+
+
 @pytest.fixture(scope="module")
 def eight_layers():
     """The small model with eight layers and one chunk in flight, trained on the device: its
     settings, its `optimizer` plan, the budget halfway between what `optimizer` and `none`
     need on the device (room for some update chunks), and the reference params and losses."""
-    kw = dict(
-        zero_stage=3,
-        mesh__data=8,
-        model__num_layers=8,
-        offload__host_gib=64,
-        offload__chunks_in_flight=1,
-    )
+    kw = dict(EIGHT_LAYERS, offload__chunks_in_flight=1)
     mesh = make_mesh(small_config(**kw).mesh)
     plan = lambda policy: build(small_config(offload__policy=policy, **kw), mesh).plan
     offloaded = plan("optimizer")

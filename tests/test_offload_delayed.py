@@ -25,7 +25,7 @@ from angel_jax.offload.groups import (
 )
 from angel_jax.offload.tiers import DEVICE, HOST, USABLE
 from angel_jax.train import build
-from tests.test_offload import DELAYED, assert_updated_alike, gpu
+from tests.test_offload import DELAYED, EIGHT_LAYERS, assert_updated_alike, gpu
 from tests.test_train_parity import small_config
 
 
@@ -501,15 +501,7 @@ def test_auto_plans_of_the_update_between_microbatches_plan_or_refuse_at_any_bud
     has them). Across the budgets between the `optimizer` and the `none` plans' needs each
     build plans, or refuses with a ConfigError (e.g. `none` fits: nothing to delay); the
     8B's plan at 128 GiB ran into a name of the planner's instead (UnboundLocalError)."""
-    kw = dict(
-        zero_stage=3,
-        mesh__data=8,
-        model__num_layers=8,
-        offload__host_gib=64,
-        offload__cpu_update=0.0,
-        microbatches=4,
-        train__batch_size=32,
-    )
+    kw = dict(EIGHT_LAYERS, offload__cpu_update=0.0, microbatches=4, train__batch_size=32)
     mesh = make_mesh(small_config(**kw).mesh)
     plan = lambda policy, **more: (
         build(small_config(offload__policy=policy, **kw, **more), mesh, fit_compiled=False).plan

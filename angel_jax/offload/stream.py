@@ -439,7 +439,9 @@ class StreamedUpdate:
             for tree in (masters, states)
         )
         compute = list(compute)
-        parts = collections.defaultdict(list)  # With `into_new`: weight -> [(layer, part)].
+        # Weight -> [(layer, its new part)] still to write into `compute`: the device's with
+        # `into_new`, and the host cores'.
+        parts = collections.defaultdict(list)
 
         def put(tree, c, value):
             if c.layer is None:
@@ -521,13 +523,13 @@ class StreamedUpdate:
         while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
             self._send_off(self._leaving.popleft())
         self._delete_ready()
+        start = time.perf_counter()
+        for c, new in on_cpu:  # The host cores' parts, copied up as they are written.
+            parts[c.weight].append((c.layer, new.result()))
+        if self.cpu:  # Waited for the host's cores.
+            self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         for w, written in parts.items():
             compute[w] = _write_parts(compute[w], written)
-        start = time.perf_counter()
-        for c, new in on_cpu:
-            compute[c.weight] = _write_parts(compute[c.weight], [(c.layer, new.result())])
-        if self.cpu:  # Waited for the host's cores, and copying their weights up.
-            self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
         tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
         return tuples(masters), tuples(states), compute
 
