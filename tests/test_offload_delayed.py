@@ -151,11 +151,8 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
     if tight:
         loose = build(config, mesh, fit_compiled=False)
         largest = max(stream.chunk_bytes(c) for c in loose.streamed_update.chunks)
-        # And for the new compute copy, which smaller groups may make larger.
-        new_copy = loose.plan.state_bytes["new compute params"]
-        whole_copy = loose.plan.state_bytes["compute params"]
+        # (Smaller groups make the new compute copy no larger: its parts come with them.)
         need = loose.plan.tier_bytes(DEVICE) - 2 * loose.plan.slot_bytes + 2 * largest
-        need += whole_copy - new_copy
         config.offload.device_gib = need * 1.001 / USABLE / 2**30
     exp = build(config, mesh)
     assert exp.plan.update_between_microbatches and exp.steps.between_microbatches
@@ -178,6 +175,16 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
     assert second == " ".join(expected), second
 
 
+def _weight_bytes(exp) -> dict:
+    """`groups.new_compute_bytes`' weight -> (compute copy's bytes, chunks, grads' bytes) of
+    `exp`'s weights; ZeRO-1: grads and the float32 compute copy alike, replicated."""
+    compute = jax.tree_util.tree_leaves_with_path(exp.abstract_state.compute_params)
+    return {
+        jax.tree_util.keystr(k): (n := planner.local_bytes(p), p.shape[0] if stacked else 1, n)
+        for (k, p), stacked in zip(compute, jax.tree.leaves(exp.stacked), strict=True)
+    }
+
+
 def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:
     """(The device budget, GiB, whose room beside the microbatches takes two slots of
     `slot_bytes(sizes)` bytes and the new compute copy of their groups, as the planner makes
@@ -193,9 +200,7 @@ def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:
     parts = [chunk_part(key) for key in keys]
     in_order = ([x[k] for k in order] for x in (sizes, chunk_tiers))
     groups = group_chunks(*in_order, parts, 2, slot)
-    compute = jax.tree_util.tree_leaves_with_path(loose.abstract_state.compute_params)
-    weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
-    new_copy = new_compute_bytes(groups, keys, weight_bytes)
+    new_copy = new_compute_bytes(groups, keys, _weight_bytes(loose))
     held = loose.plan.state_bytes
     without = loose.plan.tier_bytes(DEVICE) - held["chunks beside the step"]
     without -= held["new compute params"]
@@ -418,7 +423,7 @@ def test_update_between_microbatches_plans_its_chunks_and_new_compute_copy():
     """Between the next step's microbatches the update's groups spread its moved chunks over
     the slots (one fetched and one on its way home beside each microbatch), and the plan
     counts the new compute copy beyond the waiting grads that go as it is made, as the
-    runtime's groups make it (a weight's copy at its first group, its grads gone after its
+    runtime's groups make it (each chunk's part at its group, a weight's grads gone after its
     last). Without room for two of the largest moved chunks the update runs after the step,
     holding neither."""
     # One slot: its even share is more than the largest chunk.
@@ -428,11 +433,8 @@ def test_update_between_microbatches_plans_its_chunks_and_new_compute_copy():
     plan, update = exp.plan, exp.streamed_update
     assert plan.update_between_microbatches and exp.steps.between_microbatches
     # The new copy as the runtime's groups make it (the planner's are the same groups).
-    # ZeRO-1: grads and the float32 compute copy alike, replicated.
-    compute = jax.tree_util.tree_leaves_with_path(exp.abstract_state.compute_params)
-    weight_bytes = {jax.tree_util.keystr(k): (planner.local_bytes(p),) * 2 for k, p in compute}
     keys = [jax.tree_util.keystr(c.path) for c in update.chunks]
-    new_copy = new_compute_bytes(update.groups, keys, weight_bytes)
+    new_copy = new_compute_bytes(update.groups, keys, _weight_bytes(exp))
     assert plan.state_bytes["new compute params"] == new_copy > 0
     moved = [stream.chunk_bytes(c) for c in update.chunks if c.tier == HOST]
     group_bytes = lambda u: [sum(stream.chunk_bytes(u.chunks[k]) for k in ks) for ks in u.groups]

@@ -3,8 +3,6 @@ stacked one, with its optimizer state): which go together into one program, whic
 holds beside the step, and the slots of an update between microbatches.
 """
 
-import math
-
 from angel_jax.offload.tiers import DEVICE, HOST, SSD
 
 # The streamed update's groups: a group's program holds each of its chunks' update unrolled
@@ -104,34 +102,26 @@ def beside_step_groups(tiers: list[str], groups: list[list[int]], in_flight: int
 
 def new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes: dict) -> int:
     """What the new compute copy of an update between microbatches holds beyond the waiting
-    float32 grads, at its most, counted as each weight's whole copy from the first group that
-    updates it (its parts come one group at a time, `StreamedUpdate.stages`: an upper bound);
-    its grads go once the last such group has run. The host cores' parts are written into
-    the copy at the end. `groups`: the device's groups of chunk indices into `weights` (each
-    chunk's weight); `weight_bytes`: weight -> (its compute copy's bytes, its float32 grads'
-    bytes)."""
-    first, last = {}, {}
+    float32 grads, at its most: each group's program makes its chunks' parts of the copy
+    (`StreamedUpdate.stages`), which wait until the last group has run, a weight's grads go
+    once its last group has run, and then the host cores' parts join them. `groups`: the
+    device's groups of chunk indices into `weights` (each chunk's weight); `weight_bytes`:
+    weight -> (its compute copy's bytes, its chunks (a stacked weight's layers, else 1), its
+    float32 grads' bytes)."""
+    last = {weights[k]: g for g, ks in enumerate(groups) for k in ks}
+    made = gone = most = 0
     for g, ks in enumerate(groups):
-        for k in ks:
-            first.setdefault(weights[k], g)
-            last[weights[k]] = g
-    end = len(groups)  # After the last group: every copy made, the device's grads gone.
-    most = 0
-    for g in range(end + 1):
-        made = sum(c for w, (c, _) in weight_bytes.items() if first.get(w, end) <= g)
-        gone = sum(f for w, (_, f) in weight_bytes.items() if last.get(w, end) < g)
+        made += sum(weight_bytes[weights[k]][0] // weight_bytes[weights[k]][1] for k in ks)
         most = max(most, made - gone)
-    return most
+        gone += sum(f for w, (_, _, f) in weight_bytes.items() if last.get(w) == g)
+    every_part = sum(c for c, _, _ in weight_bytes.values())  # The host cores' too.
+    return max(most, every_part - gone)
 
 
-def slot_size(moved: list[int], slots: int, most: float = math.inf) -> int:
-    """The bytes of a slot for the `moved` chunks' bytes that are at most `most`: an even
-    share of theirs over the `slots` with `SLOT_MARGIN`, at least their largest, at most
-    `most`; 0 if none is."""
-    fitting = [n for n in moved if n <= most]
-    if not fitting:
-        return 0
-    return int(min(most, max(max(fitting), SLOT_MARGIN * sum(fitting) / slots)))
+def slot_size(moved: list[int], slots: int) -> int:
+    """The bytes of a slot for the `moved` chunks' bytes: an even share of theirs over the
+    `slots` with `SLOT_MARGIN`, at least their largest."""
+    return int(max(max(moved), SLOT_MARGIN * sum(moved) / slots))
 
 
 def slot_order(sizes: list[int], tiers: list[str], slot_bytes: int) -> list[int]:

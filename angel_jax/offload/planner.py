@@ -350,28 +350,32 @@ def _with_step_chunks(
         placement["new compute params"] = DEVICE
         without = dataclasses.replace(plan, state_bytes=held, placement=placement)
         room = USABLE * plan.budget[DEVICE] - without.tier_bytes(DEVICE)
-        # A group a slot, with a margin for packing whole chunks; smaller while the groups'
-        # new compute copy leaves no room for two of them, and chunks larger than a slot
-        # (`limit`) after the last microbatch where not even they fit.
+        # A group a slot, with a margin for packing whole chunks (`slot_size`), or the largest
+        # slot that leaves room for two of them beside the new compute copy their groups make
+        # (larger groups make more of it at once); chunks larger than a slot run after the
+        # last microbatch.
         weights = [key[0] for key, _ in updated]
         parts = [chunk_part(w) for w in weights]
-        limit = math.inf
-        for _ in range(16):
-            slot = slot_size(moved, slots, limit)
-            if not slot:
-                break
+
+        def grouped(slot: int):
+            """(the update's order, its groups, their new compute copy) for `slot`, or None
+            where two slots and the copy leave the room."""
             order = slot_order(sizes, chunk_tiers, slot)
             in_order = ([x[k] for k in order] for x in (sizes, chunk_tiers, parts))
             groups = group_chunks(*in_order, 2, slot)
             new_copy = new_compute_bytes(groups, [weights[k] for k in order], weight_bytes)
-            fits = (room - new_copy) // 2
-            if slot <= fits:
-                break
-            largest = max(n for n in moved if n <= limit)
-            limit = fits if fits >= largest else largest - 1
-        else:
-            slot = 0
+            return (order, groups, new_copy) if 2 * slot + new_copy <= room else None
+
+        slot = slot_size(moved, slots)
+        found = grouped(slot)
+        if not found:  # The copy grows with the slot: the largest slot that fits, if any.
+            low, high = 0, slot
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (mid, high) if grouped(mid) else (low, mid)
+            slot, found = low, low and grouped(low)
         if slot:
+            order, groups, new_copy = found
             moved_bytes = lambda ks: sum(
                 sizes[order[i]] for i in ks if chunk_tiers[order[i]] != DEVICE
             )
@@ -464,11 +468,19 @@ def make_plan(
 
     # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
 
-    # Weight -> (its compute copy's bytes, its float32 grads' bytes): `new_compute_bytes`.
+    # Weight -> (its compute copy's bytes, its chunks, its float32 grads' bytes):
+    # `new_compute_bytes`.
     weight_bytes = {
-        jax.tree_util.keystr(path): (local_bytes(p, compute_dtype), local_bytes(g, np.float32))
-        for (path, p), g in zip(
-            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads), strict=True
+        jax.tree_util.keystr(path): (
+            local_bytes(p, compute_dtype),
+            p.shape[0] if is_stacked else 1,
+            local_bytes(g, np.float32),
+        )
+        for (path, p), g, is_stacked in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(grads),
+            jax.tree.leaves(stacked),
+            strict=True,
         )
     }
 
