@@ -522,6 +522,26 @@ BREAKS = [
         ],
     ),
     (
+        "the new compute copy counted whole at each chunk of a weight, not by its parts",
+        "angel_jax/offload/groups.py",
+        "        made += sum(weight_bytes[weights[k]][0] // weight_bytes[weights[k]][1] for k in ks)",
+        "        made += sum(weight_bytes[weights[k]][0] for k in ks)",
+        [
+            "tests/test_offload_delayed.py::"
+            "test_update_between_microbatches_takes_the_largest_slot_its_room_allows"
+        ],
+    ),
+    (
+        "the planner takes the even share's slot or none, not the largest that fits",
+        "angel_jax/offload/planner.py",
+        "                low, high = (mid, high) if grouped(mid) else (low, mid)",
+        "                low, high = low, mid",
+        [
+            "tests/test_offload_delayed.py::"
+            "test_update_between_microbatches_takes_the_largest_slot_its_room_allows"
+        ],
+    ),
+    (
         "build keeps the update after the step when the compiled step gives room back",
         "angel_jax/train.py",
         "    between = again.plan.update_between_microbatches and not",

@@ -234,6 +234,33 @@ def test_update_between_microbatches_needs_most_of_the_update_beside_them():
     assert not plan.update_between_microbatches, plan.slot_bytes
 
 
+def test_update_between_microbatches_takes_the_largest_slot_its_room_allows():
+    """Where the room beside the microbatches takes two slots smaller than the even share,
+    beside the new compute copy their groups make, the planner takes the largest such slot:
+    the copy counted as its parts come, group by group, each weight's grads gone after its
+    last (counted as each weight's whole copy from its first group, the 8B's slots were 4.8
+    GiB, not 6.5, and 21 GiB of its update ran after the last microbatch)."""
+    kw = dict(DELAYED, offload__cpu_update=0)
+    config = small_config(microbatches=4, train__batch_size=32, offload__delayed_update=True, **kw)
+    # Between the largest chunk and the even share.
+    between = lambda sizes: (max(sizes) + slot_size(sizes, 3)) // 2
+    config.offload.device_gib, sizes = _budget_for_slots(config, between)
+    assert max(sizes) < between(sizes) < slot_size(sizes, 3)
+    exp = build(config, make_mesh(config.mesh), fit_compiled=False)
+    plan = exp.plan
+    assert plan.update_between_microbatches
+    # (The budget, in GiB, rounds a few bytes away.)
+    assert between(sizes) - 16 <= plan.slot_bytes < slot_size(sizes, 3), plan.slot_bytes
+    # A few bytes more do not fit beside the copy their groups would make.
+    budget, _ = _budget_for_slots(config, lambda sizes: plan.slot_bytes + 64)
+    assert budget > config.offload.device_gib
+    # The copy as the groups make it: a part of it at a time, not whole weights.
+    keys = [jax.tree_util.keystr(c.path) for c in exp.streamed_update.chunks]
+    new_copy = plan.state_bytes["new compute params"]
+    assert new_copy == new_compute_bytes(exp.streamed_update.groups, keys, _weight_bytes(exp))
+    assert new_copy < plan.state_bytes["compute params"] // 2
+
+
 def test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one():
     """Where the room beside the microbatches takes slots smaller than the largest chunks (as
     the 8B's embedding and LM head), those come last, each a group of its own (the embedding
