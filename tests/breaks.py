@@ -524,8 +524,8 @@ BREAKS = [
     (
         "the new compute copy counted whole at each chunk of a weight, not by its parts",
         "angel_jax/offload/groups.py",
-        "        made += sum(weight_bytes[weights[k]][0] // weight_bytes[weights[k]][1] for k in ks)",
-        "        made += sum(weight_bytes[weights[k]][0] for k in ks)",
+        "[0] // weight_bytes[weights[k]][1] for k in ks)",
+        "[0] for k in ks)",
         [
             "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_takes_the_largest_slot_its_room_allows"
