@@ -534,8 +534,8 @@ BREAKS = [
     (
         "the planner takes the even share's slot or none, not the largest that fits",
         "angel_jax/offload/planner.py",
-        "                low, high = (mid, high) if grouped(mid) else (low, mid)",
-        "                low, high = low, mid",
+        "                if at_mid:\n",
+        "                if False:\n",
         [
             "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_takes_the_largest_slot_its_room_allows"

@@ -109,11 +109,14 @@ def new_compute_bytes(groups: list[list[int]], weights: list[str], weight_bytes:
     weight -> (its compute copy's bytes, its chunks (a stacked weight's layers, else 1), its
     float32 grads' bytes)."""
     last = {weights[k]: g for g, ks in enumerate(groups) for k in ks}
+    freed = [0] * len(groups)  # Per group, the grads that go once it has run.
+    for w, g in last.items():
+        freed[g] += weight_bytes[w][2]
     made = gone = most = 0
     for g, ks in enumerate(groups):
         made += sum(weight_bytes[weights[k]][0] // weight_bytes[weights[k]][1] for k in ks)
         most = max(most, made - gone)
-        gone += sum(f for w, (_, _, f) in weight_bytes.items() if last.get(w) == g)
+        gone += freed[g]
     every_part = sum(c for c, _, _ in weight_bytes.values())  # The host cores' too.
     return max(most, every_part - gone)
 

@@ -372,8 +372,12 @@ def _with_step_chunks(
             low, high = 0, slot
             while high - low > 1:
                 mid = (low + high) // 2
-                low, high = (mid, high) if grouped(mid) else (low, mid)
-            slot, found = low, low and grouped(low)
+                at_mid = grouped(mid)
+                if at_mid:
+                    low, found = mid, at_mid
+                else:
+                    high = mid
+            slot = low
         if slot:
             order, groups, new_copy = found
             moved_bytes = lambda ks: sum(
