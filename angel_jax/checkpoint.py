@@ -63,10 +63,22 @@ class Checkpointer:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.every_steps > 0 and (step % self.every_steps == 0 or step == last_step)
 
-    def save(self, step: int, state, data_index: int, offload_policy: str = "none") -> None:
-        """`offload_policy` names the state's layout: offloaded optimizer state is stored per
-        layer (offload/stream.py), so it restores only under the same policy."""
-        meta = {"next_batch_index": data_index, "offload_policy": offload_policy}
+    def save(
+        self,
+        step: int,
+        state,
+        data_index: int,
+        offload_policy: str = "none",
+        split_masters: bool = False,
+    ) -> None:
+        """`offload_policy` and `split_masters` name the state's layout: offloaded optimizer
+        state is stored per layer (offload/stream.py), and split masters as their low halves
+        beside the compute copy (offload/masters.py), so it restores only under the same."""
+        meta = {
+            "next_batch_index": data_index,
+            "offload_policy": offload_policy,
+            "split_masters": split_masters,
+        }
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -74,7 +86,9 @@ class Checkpointer:
             ),
         )
 
-    def restore(self, step: int, abstract_state, offload_policy: str = "none"):
+    def restore(
+        self, step: int, abstract_state, offload_policy: str = "none", split_masters: bool = False
+    ):
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
         previous_hook = sys.unraisablehook
         sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
@@ -94,6 +108,17 @@ class Checkpointer:
                 f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
                 f"resume with --config.offload.policy={saved_policy} (and a budget it fits)"
             )
+        saved_split = meta.get("split_masters", False)
+        if saved_split != split_masters:
+            sys.unraisablehook = previous_hook
+            held = {True: "split in halves", False: "whole"}
+            raise ConfigError(
+                f"checkpoint {self.directory / str(step)} holds the float32 masters "
+                f"{held[saved_split]}, but this run keeps them {held[split_masters]}; resume "
+                f"with --config.offload.split_masters={str(saved_split).lower()} (masters split "
+                "only beside a bfloat16 compute copy on the device: config.model.dtype=bfloat16, "
+                "no layer streaming)"
+            )
         try:
             restored = self.manager.restore(
                 step,
@@ -108,7 +133,9 @@ class Checkpointer:
         sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
 
-    def restore_latest(self, abstract_state, offload_policy: str = "none") -> Restored | None:
+    def restore_latest(
+        self, abstract_state, offload_policy: str = "none", split_masters: bool = False
+    ) -> Restored | None:
         """The newest checkpoint that can be read, or None when there is none.
 
         A checkpoint that cannot be read (damaged files) is passed over for the one before it;
@@ -120,7 +147,9 @@ class Checkpointer:
         failed = []  # (step, UnreadableCheckpoint), newest first.
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                state, data_index = self.restore(step, abstract_state, offload_policy)
+                state, data_index = self.restore(
+                    step, abstract_state, offload_policy, split_masters
+                )
                 error = None
             except UnreadableCheckpoint as e:
                 error = e

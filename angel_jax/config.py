@@ -190,6 +190,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Optimizer-state chunks on the device at once in the update; half of them are fetched
     # before the step is dispatched, so their copies run beside it.
     c.offload.chunks_in_flight = 2
+    # With a bfloat16 compute copy on the device (not under layer streaming), the offloaded
+    # float32 masters keep only their low 16 bits: the compute copy is their high half
+    # (offload/masters.py). Exact; 2 bytes less per parameter each way and in host memory.
+    c.offload.split_masters = True
     # SSD tier (policy auto): update chunks that fit in neither device nor host memory live in
     # this directory on local disk; "" turns the tier off.
     c.offload.ssd_dir = ""

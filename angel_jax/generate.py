@@ -185,7 +185,7 @@ def load_params_for(exp, checkpoint: str | None):
         keep = exp.config.checkpoint.keep  # As the run kept them: nothing is deleted.
         ckpt = Checkpointer(checkpoint, every_steps=0, keep=keep, async_save=False)
         try:
-            found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy)
+            found = ckpt.restore_latest(exp.checkpoint_target(), *exp.checkpoint_layout)
         finally:  # Closed on every path: an open one's thread prints tracebacks at exit.
             ckpt.close()
         if found is None:

@@ -39,7 +39,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
 
 def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
     """(state, next batch index) from the newest readable checkpoint, or a fresh state."""
-    found = ckpt.restore_latest(exp.checkpoint_target(), exp.plan.policy) if ckpt else None
+    found = ckpt.restore_latest(exp.checkpoint_target(), *exp.checkpoint_layout) if ckpt else None
     if found is None:
         return exp.init_state(), 0
     for step, reason in found.unreadable:
@@ -201,7 +201,7 @@ def _train_loop(
                 log(*pending)
                 pending = None
             state = exp.settled(state)  # A delayed update goes in first: resume is exact.
-            ckpt.save(step, exp.checkpointed(state), data_index, exp.plan.policy)
+            ckpt.save(step, exp.checkpointed(state), data_index, *exp.checkpoint_layout)
             monitor.saved(step)
         if stopping:
             break

@@ -201,7 +201,9 @@ def make_state_layout(
     offloaded = None
     if plan.offloads_optimizer:
         dtype = jnp.dtype(config.model.dtype)
-        offloaded = OffloadedState(stacked, optimizer, state_sharding, dtype, ssd, cpu)
+        offloaded = OffloadedState(
+            stacked, optimizer, state_sharding, dtype, ssd, cpu, plan.split_masters
+        )
     return StateLayout(
         abstract_state=abstract_state,
         state_sharding=state_sharding,

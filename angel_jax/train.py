@@ -112,8 +112,13 @@ class Experiment:
     def params_numpy(self, state: TrainState):
         """The fp32 master params as numpy arrays in the model's layout, whatever the policy."""
         if self.offloaded:
-            return self.offloaded.params_numpy(state.params)
+            return self.offloaded.params_numpy(state)
         return jax.device_get(state.params)
+
+    @property
+    def checkpoint_layout(self) -> tuple[str, bool]:
+        """(offload policy, split masters): what a checkpoint's state restores only under."""
+        return self.plan.policy, self.plan.split_masters
 
     def checkpointed(self, state: TrainState) -> TrainState:
         """What checkpoints hold: the state, less what offloaded states derive and with their SSD

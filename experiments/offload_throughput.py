@@ -32,6 +32,9 @@ IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
 ALL_IN_FLIGHT = ["--config.offload.chunks_in_flight=1000"]
 DELAYED = ["--config.offload.delayed_update=true"]  # Stale by one step: see the README.
 MICRO_4 = ["--config.train.batch_size=32", "--config.train.microbatches=4"]
+MICRO_4_OF_8 = ["--config.train.microbatches=4"]  # llama_1b's 8 x 2048 in 4 microbatches.
+# The masters kept whole in host memory (before config.offload.split_masters, the default).
+WHOLE_MASTERS = ["--config.offload.split_masters=false"]
 # The remat the 8B rows measured before the config took auto (README's rows).
 DOTS_NO_BATCH = ["--config.model.remat=dots_no_batch"]
 # The ZeRO-Cache issue's 8B benchmark shape: 16 x 8192 tokens (128k) a step.
@@ -125,6 +128,32 @@ VARIANTS = [
     # 4 x 8 x 2048 tokens a step: the update's copies (14.4 GB each way, more than the host's
     # memory and the link move in one 8 x 2048 step's compute) amortised over 4 microbatches.
     ("llama_1b/32x2048 none", "llama_1b", [*MICRO_4, "--config.offload.policy=none"], None),
+    # The 8 x 2048 in 4 microbatches: the delayed update between them moves 11 GB
+    # each way with split masters (13.2 whole), against about 0.23 s of compute.
+    (
+        "llama_1b/8x2048 in 4 none",
+        "llama_1b",
+        [*MICRO_4_OF_8, "--config.offload.policy=none"],
+        None,
+    ),
+    (
+        "llama_1b/8x2048 in 4 optimizer, delayed, device update",
+        "llama_1b",
+        [*MICRO_4_OF_8, *DEVICE_UPDATE, *DELAYED],
+        None,
+    ),
+    (
+        "llama_1b/8x2048 in 4 optimizer, delayed, device update, whole masters",
+        "llama_1b",
+        [*MICRO_4_OF_8, *DEVICE_UPDATE, *DELAYED, *WHOLE_MASTERS],
+        None,
+    ),
+    (
+        "llama_1b optimizer, device update, 8 in flight, whole masters",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *WHOLE_MASTERS],
+        None,
+    ),
     (
         "llama_1b/32x2048 optimizer, device update, 8 in flight",
         "llama_1b",

@@ -140,6 +140,10 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
         # The delayed update between microbatches: its groups' bytes (0: after the step).
         slot_gib=exp.plan.slot_bytes / 2**30,
         hybrid_update=exp.plan.cpu_note,
+        # The masters' low halves beside the compute copy (config.offload.split_masters), and
+        # the bytes the device's update moves each way a step, from the chunks' dtypes.
+        split_masters=exp.plan.split_masters,
+        update_gb_each_way=_moved_bytes(exp) / 1e9 if exp.plan.offloads_optimizer else 0,
         build_s=build_s,
         compile_s=time.perf_counter() - start,
         **compiled_memory(program),
@@ -491,7 +495,6 @@ def offload_breakdown(exp, state, batch) -> dict:
     import jax
 
     from angel_jax import sharding
-    from angel_jax.offload.tiers import HOST
 
     if not exp.plan.offloads_optimizer or exp.config.offload.update_in_step:
         return {}  # On the device, or one program with the update inside.
@@ -508,18 +511,27 @@ def offload_breakdown(exp, state, batch) -> dict:
             return dict(compute_s=middle - start)
         jax.block_until_ready(exp.steps.apply(state, step, grads, scale))
         end = time.perf_counter()
-    moved = sum(
-        x.size * x.dtype.itemsize
-        for c in exp.streamed_update.chunks
-        if c.tier == HOST
-        for x in jax.tree.leaves((c.master, c.state))
-    )
+    moved = _moved_bytes(exp)
     return dict(
         compute_s=middle - start,
         update_s=end - middle,
         update_gb_each_way=moved / 1e9,
         update_gbps_each_way=moved / 1e9 / (end - middle),
         **({"cpu_update_seconds": dict(cpu.seconds)} if cpu else {}),
+    )
+
+
+def _moved_bytes(exp) -> int:
+    """The bytes the device's update moves each way a step: its host-memory chunks'."""
+    import jax
+
+    from angel_jax.offload.tiers import HOST
+
+    return sum(
+        x.size * x.dtype.itemsize
+        for c in exp.streamed_update.chunks
+        if c.tier == HOST
+        for x in jax.tree.leaves((c.master, c.state))
     )
 
 

@@ -825,6 +825,34 @@ BREAKS = [
             "tests/test_offload_delayed.py::test_update_between_microbatches_keeps_the_compute_copys_buffers"
         ],
     ),
+    (
+        "split masters joined without their low halves",
+        "angel_jax/offload/masters.py",
+        "    low = low.astype(jnp.uint32)\n",
+        "    low = jnp.zeros_like(low, jnp.uint32)\n",
+        ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
+    ),
+    (
+        "split masters rounded to the nearest even (a tie's master lost)",
+        "angel_jax/offload/masters.py",
+        "    high = (bits + 0x8000) >> 16\n",
+        "    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16\n",
+        ["tests/test_offload_masters.py::test_halves_join_into_the_master_bit_for_bit"],
+    ),
+    (
+        "the planner counts split masters whole",
+        "angel_jax/offload/planner.py",
+        "    chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]\n",
+        "    chunk_lists[True] = chunk_lists[False]\n",
+        ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
+    ),
+    (
+        "the update keeps the old low halves of split masters",
+        "angel_jax/offload/masters.py",
+        "    return (low if home_dtype == LOW else master), compute\n",
+        "    return (jnp.zeros_like(low) if home_dtype == LOW else master), compute\n",
+        ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
+    ),
 ]
 
 

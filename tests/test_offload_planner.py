@@ -209,12 +209,12 @@ def test_planner_auto_offloads_only_when_the_device_is_too_small():
     assert b["resident chunks"] > 0
     optimizer = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
     b = build(*llama_1b(*optimizer)).plan.state_bytes
-    # The compute copy is bf16: half the bytes of the fp32 masters.
-    assert 2 * b["compute params"] == b["master params"]
+    # The compute copy is bf16: the fp32 masters' high halves, their tier holds the low ones.
+    assert b["compute params"] == b["master params"]
     # The update streams chunks: with 2 in flight, one fetched ahead and two on their way
     # home, the largest (the 32000 x 2048 embedding and LM head, with two moments and two int32
     # step counts each) are on the device at once, not the whole state.
-    largest = 3 * (3 * 32000 * 2048 * 4 + 2 * 4)
+    largest = 3 * (32000 * 2048 * (2 + 8) + 2 * 4)
     assert b["update chunks"] == largest < b["optimizer state"] / 3
 
 
@@ -361,7 +361,11 @@ def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
     the process's own memory, passes what the host has, and names the cap that fits."""
     assert tiers.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
     assert tiers.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
-    overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
+    overrides = (
+        "--config.offload.policy=optimizer",
+        "--config.offload.device_gib=32",
+        "--config.offload.split_masters=false",
+    )
     plan = build(*llama_1b(*overrides)).plan  # A CPU: no pool.
     need = plan.tier_bytes(HOST)  # 12.3 GiB: the pool's regions reach 16 GiB.
     assert 8 * 2**30 < need < 15 * 2**30
@@ -447,7 +451,7 @@ def test_planner_puts_layer_inputs_on_the_host_when_the_device_is_too_small():
 def test_bytes_per_parameter_of_adamw_and_adafactor():
     """Model-state density: fp32 masters 4 + fp32 grads 4 + AdamW 8 bytes per parameter;
     Adafactor's factored moments are well under 1% of AdamW's; offload adds the bf16 copy but
-    takes grads in bf16 (2 + 2 + 4 + 8)."""
+    takes grads in bf16 and keeps the masters' low halves (2 + 2 + 2 + 8; 4 for whole ones)."""
 
     def plan(*overrides):
         return build(*llama_1b("--config.offload.device_gib=1000", *overrides)).plan
@@ -456,13 +460,16 @@ def test_bytes_per_parameter_of_adamw_and_adafactor():
     assert adamw.bytes_per_param() == pytest.approx(16.0, rel=1e-4)
     assert adafactor.bytes_per_param() == pytest.approx(8.0, rel=1e-2)
     assert adafactor.state_bytes["optimizer state"] < 0.01 * adamw.state_bytes["optimizer state"]
-    offloaded = plan("--config.offload.policy=optimizer")
-    b = offloaded.state_bytes
-    transient = b["update chunks"] / offloaded.num_params
-    assert offloaded.bytes_per_param() == pytest.approx(16.0 + transient, rel=1e-4)
-    # Three chunks (of two in flight, one fetched ahead and two leaving) of the largest: the
-    # 32000 x 2048 embedding, fp32, with AdamW's two moments and two step counts.
-    assert b["update chunks"] == 3 * (32000 * 2048 * 4 * 3 + 2 * 4)
+    for split, master in ((True, 2), (False, 4)):
+        offloaded = plan(
+            "--config.offload.policy=optimizer", f"--config.offload.split_masters={split}"
+        )
+        b = offloaded.state_bytes
+        transient = b["update chunks"] / offloaded.num_params
+        assert offloaded.bytes_per_param() == pytest.approx(12.0 + master + transient, rel=1e-4)
+        # Three chunks (of two in flight, one fetched ahead and two leaving) of the largest:
+        # the 32000 x 2048 embedding's master, AdamW's two fp32 moments and two step counts.
+        assert b["update chunks"] == 3 * (32000 * 2048 * (master + 8) + 2 * 4)
     assert "bytes per parameter" in offloaded.table()
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from angel_jax.offload.masters import compute_copy
 from angel_jax.offload.stream import layer_index
 from angel_jax.offload.tiers import HOST
 from angel_jax.optim import Optimizer
@@ -123,7 +124,7 @@ class CPUTier:
                 master, state = self.optimizer.update_leaf(
                     c.path, grad.astype(jnp.float32) * scale, state, master
                 )
-                return master, state, master.astype(self.dtype)
+                return master, state, compute_copy(master, master.dtype, self.dtype)[1]
 
             self._fns[c.weight] = jax.jit(update, donate_argnums=(2, 3))
         return self._fns[c.weight]

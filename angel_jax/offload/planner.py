@@ -2,7 +2,8 @@
 
 States, per device (after ZeRO and tensor sharding):
   compute params  (model dtype, for forward/backward; the fp32 masters when not offloaded)
-  master params   (float32)
+  master params   (float32; their low 16 bits beside a bfloat16 compute copy on the device:
+                   config.offload.split_masters, offload/masters.py)
   grads           (float32; their sum when accumulating microbatches)
   microbatch grads (accumulating: one microbatch's grads, held in the step's temporaries)
   optimizer state (AdamW: mu + nu, float32)
@@ -47,7 +48,7 @@ from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
 from angel_jax.mesh import CONTEXT, DATA, EXPERT, SEQUENCE, TENSOR
-from angel_jax.offload import tiers
+from angel_jax.offload import masters, tiers
 from angel_jax.offload.groups import (
     beside_step_groups,
     chunk_part,
@@ -113,6 +114,10 @@ class Plan:
     # streaming, a pipeline, the update inside the step, no chunk moved, or no room beside
     # the microbatches for slots that take most of the moved bytes).
     slot_bytes: int = 0
+    # The offloaded masters' tiers hold their low halves, the compute copy on the device their
+    # high halves (config.offload.split_masters, a bfloat16 compute copy, `offload/masters.py`);
+    # the host's cores' chunks keep theirs whole.
+    split_masters: bool = False
 
     @property
     def update_between_microbatches(self) -> bool:
@@ -464,7 +469,12 @@ def make_plan(
         activations = {r: activation_bytes(config, mesh, r) for r in remats}
     accumulating = config.train.microbatches > 1
     layers = config.model.num_layers
-    chunks = _chunks(offloaded_masters, opt, stacked)  # In the update's order.
+    # In the update's order; with the masters split (`Plan.split_masters`), their tier holds
+    # the low half.
+    split = config.offload.split_masters and masters.splits(compute_dtype)
+    chunk_lists = {False: _chunks(offloaded_masters, opt, stacked)}
+    chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
+    splits = lambda name: split and name == "optimizer"  # The compute copy on the device.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
     speculative = in_step and config.offload.speculative_update
@@ -491,6 +501,7 @@ def make_plan(
     def step_chunks(plan: Plan) -> Plan:
         between = may_update_between_microbatches(config, plan, pipeline is not None)
         slots = config.train.microbatches - 1 if between else 0
+        chunks = chunk_lists[plan.split_masters]
         return _with_step_chunks(plan, chunks, in_flight, in_step, speculative, slots, weight_bytes)
 
     def sizes(name: str, remat: str) -> dict[str, int]:
@@ -513,12 +524,12 @@ def make_plan(
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
-            "master params": local_bytes(offloaded_masters),
+            "master params": local_bytes(offloaded_masters) // (2 if splits(name) else 1),
             "optimizer state": local_bytes(opt),
             **saved,
         }
         if not in_step:  # Else the update runs inside the step: "chunks in the step".
-            out["update chunks"] = in_flight_bytes(chunks, in_flight)
+            out["update chunks"] = in_flight_bytes(chunk_lists[splits(name)], in_flight)
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
@@ -563,6 +574,8 @@ def make_plan(
         on_host = host_states[name] + (("layer inputs",) if inputs == HOST else ())
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(name, remat, placement, state_bytes, budget, num_params, mesh.size)
+        plan = dataclasses.replace(plan, split_masters=splits(name))
+        chunks = chunk_lists[plan.split_masters]
         # With every chunk in host memory: the room the groups beside the step may take.
         plan = step_chunks(plan)
         if policy != "auto" or name == "none":
@@ -628,13 +641,16 @@ def make_plan(
         if plan.fits():
             if not plan.offloads_optimizer:
                 return plan
+            chunks = chunk_lists[plan.split_masters]
             host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
             share, note = config.offload.cpu_update, ""
             if share < 0 and jax.process_count() > 1:
                 share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
             elif share < 0:
-                share, note = hybrid_share(measure_rates(), host, compute_dtype.itemsize)
-            plan = step_chunks(_with_cpu_update(plan, share, host))
+                share, note = hybrid_share(
+                    measure_rates(), host, compute_dtype.itemsize, plan.split_masters
+                )
+            plan = step_chunks(_with_cpu_update(plan, share, host, plan.split_masters))
             if note:
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
@@ -723,15 +739,16 @@ def keeps_attention_results(config: ml_collections.ConfigDict, mesh) -> bool:
     return has_attention_results(attention, mesh.shape[CONTEXT])
 
 
-def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
+def hybrid_share(rates: dict, chunks, compute_bytes: int, split: bool = False) -> tuple[float, str]:
     """(share of the host `chunks`' parameters for the host's cores, the line that says why)
     from measured `rates` (`cpu.measure_rates`; copies in bytes down and the same bytes back
     per second). A parameter updated on the device moves its master and state down and back;
     one updated by the host moves its grad down and its compute copy back, through the same
     link, and costs the host's update. With both running, at the rates measured together, the
     link's time falls and the host's grows with the share: the share where they meet, unless
-    that is not 5% faster than the device's update alone at its own rates (then 0)."""
-    params = sum(m for _, m, _ in chunks) / 4
+    that is not 5% faster than the device's update alone at its own rates (then 0). `split`:
+    the chunks' masters are their low halves (`Plan.split_masters`)."""
+    params = sum(m for _, m, _ in chunks) / (2 if split else 4)
     moved = sum(m + s for _, m, s in chunks) / max(params, 1)  # Bytes each way a parameter.
     g = {name: rate / 1e9 for name, rate in rates.items()}
     measured = (
@@ -751,10 +768,11 @@ def hybrid_share(rates: dict, chunks, compute_bytes: int) -> tuple[float, str]:
     return share, f"cpu_update=-1 picked {share:.0%} (measured {measured}: {times})"
 
 
-def _with_cpu_update(plan: Plan, share: float, host) -> Plan:
+def _with_cpu_update(plan: Plan, share: float, host, split: bool = False) -> Plan:
     """`plan` with `share` of its host-memory chunks' (`host`) parameters updated by the host's
     cores, spread over the update's order, so that both the host and the device work from its
-    start."""
+    start. `split`: `host` counts the masters' low halves (`Plan.split_masters`); the host's
+    cores keep theirs whole, as they make the compute copy themselves."""
     if share > 0 and jax.process_count() > 1:
         raise ConfigError(
             f"config.offload.cpu_update={share}: the hybrid update runs in one process only "
@@ -777,7 +795,7 @@ def _with_cpu_update(plan: Plan, share: float, host) -> Plan:
             cpu["optimizer state"] += state
     for name, nbytes in cpu.items():
         state_bytes[name] -= nbytes
-    state_bytes["CPU-updated chunks"] = sum(cpu.values())
+    state_bytes["CPU-updated chunks"] = sum(cpu.values()) + (cpu["master params"] if split else 0)
     placement["CPU-updated chunks"] = HOST  # Plain host memory, not the pinned pool.
     note = f"the host's cores update {taken / total:.0%} of the host chunks' parameters"
     return dataclasses.replace(

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.cpu import CPUTier
+from angel_jax.offload.masters import LOW, compute_copy, join_numpy, split
 from angel_jax.offload.planner import Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import Chunk, home_kind, unstack, unstack_like
@@ -37,6 +38,16 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
     order (with its shardings on the device)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
+    if plan.split_masters:  # Their tiers keep the low halves, but the host cores' chunks.
+
+        def low_half(path, is_stacked, x):
+            key = jax.tree_util.keystr(path)
+            low = lambda x, layer: (
+                x if plan.chunk_tier(key, layer) == CPU else jax.ShapeDtypeStruct(x.shape, LOW)
+            )
+            return tuple(low(y, i) for i, y in enumerate(x)) if is_stacked else low(x, None)
+
+        host_params = jax.tree_util.tree_map_with_path(low_half, stacked, host_params)
 
     def on_host(path, is_stacked, shardings, abstract):
         def one(s, x, layer=None):
@@ -146,6 +157,9 @@ class OffloadedState:
     dtype: jnp.dtype  # Of the compute copy.
     ssd: SSDTier | None = None  # Update chunks on disk (ZeRO-Cache's third tier), if any.
     cpu: CPUTier | None = None  # Update chunks the host's cores update, if any.
+    # The masters' tiers hold their low halves, the compute copy their high halves
+    # (`Plan.split_masters`); the host cores' chunks keep theirs whole.
+    split_masters: bool = False
 
     @functools.cached_property
     def outside(self) -> Outside:
@@ -168,9 +182,16 @@ class OffloadedState:
         params = jax.jit(init_params, out_shardings=master_layout)(rng)
         pending = collections.deque()  # SSD writes not known to be done, a pair per layer.
 
-        def place(key, layer, master, state):
-            """(master, state) where they stay: None, None for a chunk that went to disk."""
+        low_half = jax.jit(lambda m: split(m, self.dtype)[0])
+
+        def place(key, layer, master, state, shardings):
+            """(master, state), made on the device, where they stay (`shardings`): None, None
+            for a chunk that went to disk or to the host's cores. Split masters keep their low
+            halves there, but the host cores' chunks."""
             chunk = self.outside.by_key.get((key, layer)) if self.outside else None
+            if self.split_masters and not (chunk and chunk.tier == CPU):
+                master = low_half(master)
+            master, state = jax.device_put((master, state), shardings)
             if chunk is None:
                 return master, state
             pending.append(self.outside.put(chunk, master, state))
@@ -181,7 +202,7 @@ class OffloadedState:
 
         def to_host(path, param, is_stacked, master_sharding, opt_sharding, compute_sharding):
             key, init = jax.tree_util.keystr(path), self.optimizer.init_leaf
-            compute = jax.jit(lambda p: p.astype(self.dtype), out_shardings=compute_sharding)(param)
+            compute = jax.jit(self._compute, out_shardings=compute_sharding)(param)
             if is_stacked:
                 one_layer = jax.jit(
                     lambda p, i: (
@@ -189,18 +210,14 @@ class OffloadedState:
                         init(path, x),
                     )
                 )
-                layers = []
-                for i in range(param.shape[0]):
-                    master, state = jax.device_put(
-                        one_layer(param, i), (master_sharding[i], opt_sharding[i])
-                    )
-                    layers.append(place(key, i, master, state))
+                layers = [
+                    place(key, i, *one_layer(param, i), (master_sharding[i], opt_sharding[i]))
+                    for i in range(param.shape[0])
+                ]
                 master, state = tuple(m for m, _ in layers), tuple(s for _, s in layers)
             else:
-                master, state = jax.jit(
-                    lambda p: (p, init(path, p)), out_shardings=(master_sharding, opt_sharding)
-                )(param)
-                master, state = place(key, None, master, state)
+                master, state = jax.jit(lambda p: (p, init(path, p)))(param)
+                master, state = place(key, None, master, state, (master_sharding, opt_sharding))
             param.delete()  # Free the device copy now, not when the whole tree is done.
             return master, state, compute
 
@@ -219,18 +236,29 @@ class OffloadedState:
         step = jax.device_put(jnp.zeros((), jnp.int32), self.state_sharding.step)
         return step, part(0), part(1), part(2)
 
-    def params_numpy(self, params):
-        """The fp32 masters `params` as numpy arrays in the model's layout: the chunks held
-        outside read in, each stacked weight's layers stacked again."""
-        params = jax.device_get(params)
+    def params_numpy(self, state):
+        """The fp32 masters of `state` as numpy arrays in the model's layout: the chunks held
+        outside read in, split ones joined with the compute copy, each stacked weight's layers
+        stacked again."""
+        params = jax.device_get(state.params)
         if self.outside:  # Fill in the chunks held outside.
             params = self._with_outside(params, [m for m, _ in self.outside.read_all()])
+        if self.split_masters:
+            whole = lambda low, compute: low if low.dtype != LOW else join_numpy(low, compute)
+            params = jax.tree.map(
+                lambda is_stacked, m, c: tuple(map(whole, m, c)) if is_stacked else whole(m, c),
+                self.stacked,
+                params,
+                jax.device_get(state.compute_params),
+            )
         return jax.tree.map(lambda s, p: np.stack(p) if s else p, self.stacked, params)
 
     def checkpointed(self, state):
-        """What checkpoints hold: the derived compute copy left out, the SSD and CPU tiers'
-        chunks in (as numpy arrays: the SSD tier passes through host memory while saving)."""
-        state = state.replace(compute_params=None)
+        """What checkpoints hold: the compute copy left out where it is derived (kept where
+        it holds the split masters' high halves), the SSD and CPU tiers' chunks in (as numpy
+        arrays: the SSD tier passes through host memory while saving)."""
+        if not self.split_masters:
+            state = state.replace(compute_params=None)
         if not self.outside:
             return state
         values = self.outside.read_all()
@@ -242,7 +270,9 @@ class OffloadedState:
     def checkpoint_target(self, abstract_state):
         """The abstract `checkpointed` state to restore into: the chunks held outside as
         numpy."""
-        state = abstract_state.replace(compute_params=None)
+        state = abstract_state
+        if not self.split_masters:
+            state = state.replace(compute_params=None)
         if not self.outside:
             return state
         empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
@@ -256,8 +286,9 @@ class OffloadedState:
     def from_checkpointed(self, state):
         """Re-derives what `checkpointed` left out, and puts the chunks held outside back in
         their tiers (on disk, in the CPU tier)."""
-        derive = jax.jit(self._compute_params, out_shardings=self.state_sharding.compute_params)
-        state = state.replace(compute_params=derive(state.params))
+        if not self.split_masters:
+            derive = jax.jit(self._compute_params, out_shardings=self.state_sharding.compute_params)
+            state = state.replace(compute_params=derive(state.params))
         if self.outside:
             masters, master_values = self._without_outside(state.params)
             opt, state_values = self._without_outside(state.opt_state)
@@ -267,15 +298,19 @@ class OffloadedState:
             state = state.replace(params=masters, opt_state=opt)
         return state
 
+    def _compute(self, master):
+        """The compute copy of a float32 master, as the update makes it (`stream.compute_copy`)."""
+        return compute_copy(master, master.dtype, self.dtype)[1]
+
     def _compute_params(self, masters):
-        """The compute copy of `masters` (the chunks held outside filled in), a stacked
+        """The compute copy of whole `masters` (the chunks held outside filled in), a stacked
         weight's layers stacked again; inside jit."""
         shardings = self._filled(self.state_sharding.params, "master_sharding")
         on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
         masters = jax.device_put(masters, on_device)
         return jax.tree.map(
             lambda is_stacked, m: (
-                jnp.stack([x.astype(self.dtype) for x in m]) if is_stacked else m.astype(self.dtype)
+                jnp.stack([self._compute(x) for x in m]) if is_stacked else self._compute(m)
             ),
             self.stacked,
             masters,

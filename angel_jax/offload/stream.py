@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.groups import chunk_part, flight, group_chunks, slot_order
+from angel_jax.offload.masters import LOW, compute_copy, join
 from angel_jax.offload.planner import local_bytes
 from angel_jax.offload.tiers import CPU, DEVICE, HOST, SSD
 from angel_jax.optim import Optimizer
@@ -151,8 +152,10 @@ def update_in_step(
         c = chunks[order[i]]
         home = jax.tree.map(lambda x: jax.typeof(x).memory_space, (master, state))
         old = jax.tree.map(lambda x: jax.device_put(x, Space.Device), (master, state))
-        new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], old[0])
-        new_compute = new[0].astype(compute[c.weight].dtype)
+        master = join(old[0], compute[c.weight]) if old[0].dtype == LOW else old[0]
+        new = optimizer.update_leaf(c.path, fetch_f32(grad) * scale, old[1], master)
+        kept, new_compute = compute_copy(new[0], old[0].dtype, compute[c.weight].dtype)
+        new = (kept, new[1])
         if ok is not None:
             new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             new_compute = jnp.where(ok, new_compute, compute[c.weight])
@@ -481,7 +484,7 @@ class StreamedUpdate:
                 scale,
                 [x[0] for x in leaves],
                 [self._moves[k][0].unflatten(x[1:]) for k, x in zip(ks, leaves, strict=True)],
-                [] if into_new else [compute[w] for w in weights],
+                [compute[w] for w in weights],
             )
             if into_new:
                 for c, x in zip(group, new_compute, strict=True):
@@ -594,7 +597,9 @@ class StreamedUpdate:
         stacked weight's layers, and unrolled layers' weights (their paths alike but for the
         layer's number, their shapes and shardings alike). It writes the new compute copy
         into `compute`'s arrays (donated), or with `parts` returns each chunk's part of it
-        (`stages`' `into_new`)."""
+        (`stages`' `into_new`) and reads `compute` only. A split master (its low half,
+        `masters.LOW`) is joined with its part of `compute` before its update and split
+        after it."""
         group = [self.chunks[k] for k in ks]
         # Stacked grads: the program picks the layer.
         indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
@@ -617,23 +622,28 @@ class StreamedUpdate:
             dtypes = {w: compute[w].dtype for w in weights}
 
             def update(grads, layers, scale, masters, states, computes):
-                computes = {} if parts else dict(zip(weights, computes, strict=True))
+                computes = dict(zip(weights, computes, strict=True))
                 new_masters, new_states, new_parts = [], [], []
                 for c, is_indexed, grad, layer, master, state in zip(
                     group, indexed, grads, layers, masters, states, strict=True
                 ):
                     if is_indexed:
                         grad = jax.lax.dynamic_index_in_dim(grad, layer, keepdims=False)
+                    target = computes[c.weight]
+                    if master.dtype == LOW:
+                        old = target
+                        if c.layer is not None:
+                            old = jax.lax.dynamic_index_in_dim(target, layer, keepdims=False)
+                        master = join(master, old)
                     master, state = self.optimizer.update_leaf(
                         c.path, fetch_f32(grad) * scale, state, master
                     )
-                    new_masters.append(master)
+                    home, new = compute_copy(master, c.master.dtype, dtypes[c.weight])
+                    new_masters.append(home)
                     new_states.append(state)
                     if parts:
-                        new_parts.append(master.astype(dtypes[c.weight]))
+                        new_parts.append(new)
                         continue
-                    target = computes[c.weight]
-                    new = master.astype(target.dtype)
                     if c.layer is not None:
                         new = jax.device_put(new, jax.typeof(target).memory_space)
                         new = jax.lax.dynamic_update_index_in_dim(target, new, layer, 0)
@@ -653,7 +663,8 @@ class StreamedUpdate:
                     [c.state_sharding for c in group],
                     outs,
                 ),
-                donate_argnums=(3, 4, 5),  # The compute copies are updated in place.
+                # The compute copies are updated in place, or only read (`parts`).
+                donate_argnums=(3, 4) if parts else (3, 4, 5),
             )
         return self._fns[key]
 
