@@ -131,6 +131,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.b1 = 0.9
     c.train.b2 = 0.95
     c.train.eps = 1e-8
+    # AdamW's first moment in bfloat16 (optax's mu_dtype; changes the math, off by default):
+    # 2 bytes a parameter less held, and moved each way by an offloaded update.
+    c.train.mu_dtype = "float32"  # float32 | bfloat16
     c.train.grad_clip = 1.0  # Global-norm clipping; 0 disables.
     c.train.z_loss = 0.0  # Weight of mean(logsumexp(logits)^2).
     c.train.peak_tflops = 0.0  # Per device, for MFU; 0: from the device kind.
@@ -198,7 +201,7 @@ def default_config() -> ml_collections.ConfigDict:
     # this directory on local disk; "" turns the tier off.
     c.offload.ssd_dir = ""
     c.offload.ssd_gib = 0.0  # Budget on that disk per process; 0: its free space.
-    c.offload.ssd_compress = False  # Optimizer state on disk in bfloat16 (masters stay fp32).
+    c.offload.ssd_compress = False  # Optimizer state on disk in bfloat16 (masters stay exact).
     # Hybrid update: this share of the host-memory chunks' parameters is updated by the host's
     # cores (their masters and state in plain host memory) while the device updates the rest.
     # 0 by default: on the H200 machine every share tried was slower (README, ZeRO-Cache).
@@ -506,6 +509,12 @@ def _validate_train(config: ml_collections.ConfigDict) -> None:
             f"config.train.lr={t.lr}, warmup_steps={t.warmup_steps}: neither may be negative"
         )
     choose("train.optimizer", t.optimizer, ("adamw", "adafactor"))
+    choose("train.mu_dtype", t.mu_dtype, ("float32", "bfloat16"))
+    if t.mu_dtype != "float32" and t.optimizer != "adamw":
+        raise ConfigError(
+            f"config.train.mu_dtype={t.mu_dtype} is AdamW's first moment, and "
+            f"config.train.optimizer={t.optimizer} keeps none: leave mu_dtype=float32"
+        )
     if t.batch_size % t.microbatches:
         raise ConfigError(
             f"config.train.batch_size={t.batch_size} is not divisible by "

@@ -35,6 +35,7 @@ MICRO_4 = ["--config.train.batch_size=32", "--config.train.microbatches=4"]
 MICRO_4_OF_8 = ["--config.train.microbatches=4"]  # llama_1b's 8 x 2048 in 4 microbatches.
 # The masters kept whole in host memory (before config.offload.split_masters, the default).
 WHOLE_MASTERS = ["--config.offload.split_masters=false"]
+BF16_MU = ["--config.train.mu_dtype=bfloat16"]  # AdamW's first moment (changes the math).
 # The remat the 8B rows measured before the config took auto (README's rows).
 DOTS_NO_BATCH = ["--config.model.remat=dots_no_batch"]
 # The ZeRO-Cache issue's 8B benchmark shape: 16 x 8192 tokens (128k) a step.
@@ -146,6 +147,18 @@ VARIANTS = [
         "llama_1b/8x2048 in 4 optimizer, delayed, device update, whole masters",
         "llama_1b",
         [*MICRO_4_OF_8, *DEVICE_UPDATE, *DELAYED, *WHOLE_MASTERS],
+        None,
+    ),
+    (  # AdamW's first moment in bfloat16 (changes the math): 8 bytes each way a parameter.
+        "llama_1b/8x2048 in 4 optimizer, delayed, device update, bf16 mu",
+        "llama_1b",
+        [*MICRO_4_OF_8, *DEVICE_UPDATE, *DELAYED, *BF16_MU],
+        None,
+    ),
+    (
+        "llama_1b optimizer, device update, 8 in flight, bf16 mu",
+        "llama_1b",
+        [*DEVICE_UPDATE, *IN_FLIGHT_8, *BF16_MU],
         None,
     ),
     (

@@ -166,7 +166,7 @@ def test_finetune_recipe_starts_from_the_imported_weights(tmp_path):
 
     # A checkpoint of the run's own wins over the import: a restarted run resumes.
     restored = checkpoint.Restored(7, state, 3, [])
-    ckpt = types.SimpleNamespace(restore_latest=lambda target, policy: restored, directory=tmp_path)
+    ckpt = types.SimpleNamespace(restore_latest=lambda *args: restored, directory=tmp_path)
     exp.init_state = lambda: pytest.fail("imported again despite a checkpoint")
     _, data_index = loop._restore_or_init(exp, ckpt, None, lambda message: None)
     assert data_index == 3

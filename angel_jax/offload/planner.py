@@ -6,7 +6,7 @@ States, per device (after ZeRO and tensor sharding):
                    config.offload.split_masters, offload/masters.py)
   grads           (float32; their sum when accumulating microbatches)
   microbatch grads (accumulating: one microbatch's grads, held in the step's temporaries)
-  optimizer state (AdamW: mu + nu, float32)
+  optimizer state (AdamW: mu + nu, float32; mu in bfloat16 with config.train.mu_dtype)
   layer inputs    (the residual stream entering each layer: what every remat policy keeps
                    for the backward pass, exact; config.offload.activations: on the device,
                    in pinned host memory, or auto: the device if the plan fits, else the host)

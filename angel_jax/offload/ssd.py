@@ -207,8 +207,9 @@ def _after(previous: futures.Future | None, fn, *args):
 
 
 class SSDTier:
-    """The update chunks (`stream.Chunk`s) the plan put on disk: masters stay float32 there;
-    `compress` keeps the optimizer state in bfloat16. `StreamedUpdate` reads them ahead of
+    """The update chunks (`stream.Chunk`s) the plan put on disk: masters stay exact there
+    (float32, or their low halves when split: `masters.py`); `compress` keeps the optimizer
+    state in bfloat16. `StreamedUpdate` reads them ahead of
     their update and writes them back behind it."""
 
     def __init__(self, directory, compress: bool, chunks: list):

@@ -5,8 +5,9 @@ Offloaded masters and optimizer state keep each stacked weight as one array per 
 pinned host memory or on the device (`host_layout`), with the chunks of the tiers that hold
 their own (the SSD tier, the host's cores' tier of the hybrid update) absent (None);
 the compute copy on the device (or, under layer streaming, in host memory) is derived from the
-masters. `OffloadedState` builds that state and converts it: checkpoints hold those tiers'
-chunks and leave the compute copy out.
+masters, or with split masters (`Plan.split_masters`, `masters.py`) is their high halves while
+their tiers keep the low ones. `OffloadedState` builds that state and converts it: checkpoints
+hold those tiers' chunks, and leave the compute copy out unless it holds the high halves.
 """
 
 import collections
@@ -34,8 +35,9 @@ def host_layout(abstract_params, abstract_opt, master_sharding, opt_sharding, st
     """Shapes and shardings of masters and optimizer state in the streamed update's layout:
     stacked weights split into one array per layer, each sharded like a layer slice of its
     (ZeRO) layout, in pinned host memory (or on the device, for chunks the plan keeps there).
-    Chunks on the SSD or CPU tier are None there. Also returns every update chunk, in update
-    order (with its shardings on the device)."""
+    Chunks on the SSD or CPU tier are None there. A split master (`plan.split_masters`) is its
+    low half (`masters.LOW`), but the host cores' chunks'. Also returns every update chunk, in
+    update order (with its shardings on the device)."""
     host_params = jax.eval_shape(lambda p: unstack(p, stacked), abstract_params)
     host_opt = jax.eval_shape(lambda s: unstack_like(s, stacked, abstract_params), abstract_opt)
     if plan.split_masters:  # Their tiers keep the low halves, but the host cores' chunks.

@@ -104,6 +104,14 @@ def make_optimizer(train: ml_collections.ConfigDict) -> Optimizer:
     else:
 
         def tx(weight_decay):
-            return optax.adamw(schedule, train.b1, train.b2, train.eps, weight_decay=weight_decay)
+            return optax.adamw(
+                schedule,
+                train.b1,
+                train.b2,
+                train.eps,
+                # None: the params' float32, as before the setting.
+                mu_dtype=None if train.mu_dtype == "float32" else jnp.dtype(train.mu_dtype),
+                weight_decay=weight_decay,
+            )
 
     return Optimizer(tx(train.weight_decay), tx(0.0), train.grad_clip)
