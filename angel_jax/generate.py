@@ -190,7 +190,11 @@ def load_params_for(exp, checkpoint: str | None):
             ckpt.close()
         if found is None:
             raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there")
-        return exp.from_checkpointed(found.state).params
+        state = exp.from_checkpointed(found.state)
+        if exp.offloaded:  # The masters are in host memory, per layer: take the compute copy.
+            device = lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
+            return jax.tree.map(device, state.compute_params)
+        return state.params
     if exp.config.init_from_hf:
         abstract, shardings = exp.abstract_state.params, exp.state_sharding.params
         return load_params(exp.config.init_from_hf, abstract, shardings, "config.init_from_hf")

@@ -863,6 +863,27 @@ BREAKS = [
             "test_bfloat16_first_moment_is_held_and_moved_in_two_bytes"
         ],
     ),
+    (
+        "generation takes an offloaded checkpoint's host masters",
+        "angel_jax/generate.py",
+        "        if exp.offloaded:  # The masters are in host memory",
+        "        if False:  # The masters are in host memory",
+        ["tests/test_generate.py::test_generates_from_an_offloaded_checkpoint"],
+    ),
+    (
+        "a checkpoint holds the host cores' split masters whole",
+        "angel_jax/offload/state.py",
+        "            split_numpy(m) if self.split_masters and c.tier == CPU else m\n",
+        "            m\n",
+        ["tests/test_offload_masters.py::test_split_masters_checkpoint_and_resume"],
+    ),
+    (
+        "ssd_compress halves the whole optimizer state, bfloat16 leaves too",
+        "angel_jax/offload/planner.py",
+        "            local_bytes(x) // (2 if x.dtype == np.float32 else 1)\n",
+        "            local_bytes(x) // 2\n",
+        ["tests/test_offload_planner.py::test_compressed_ssd_state_halves_only_float32_leaves"],
+    ),
 ]
 
 

@@ -213,3 +213,30 @@ def test_text_prompt_through_a_hugging_face_tokenizer(monkeypatch, capsys, tmp_p
     text = _generate_cli(monkeypatch, capsys, "--prompt", "hello world", *tokenizer)
     ids = _generate_cli(monkeypatch, capsys, "--prompt-tokens", "1,2").split(",")
     assert text == tok.decode([int(i) for i in ids]) and text.startswith("hello world")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_generates_from_an_offloaded_checkpoint(tmp_path, split):
+    """A checkpoint of an offloaded run (masters in host memory, per layer; split or whole)
+    generates with its compute copy: the tokens and logits of its masters on the device (the
+    same bfloat16 weights, but where a master's low 16 bits are a tie). Before, its host
+    masters reached the model and the embedding's gather refused them."""
+    from angel_jax.checkpoint import Checkpointer
+    from tests.test_offload import train as train_steps
+    from tests.test_train_parity import small_config
+
+    kw = dict(mesh__data=8, model__dtype="bfloat16")
+    config = small_config(offload__policy="optimizer", offload__split_masters=split, **kw)
+    exp, state, _ = train_steps(config, steps=2)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
+    ckpt.save(2, exp.checkpointed(state), 2, *exp.checkpoint_layout)
+    ckpt.close()
+    prompt = np.array([[1, 2, 3, 4]])
+    tokens, logits = generate.generate(
+        exp, generate.load_params_for(exp, str(tmp_path)), prompt, 4, with_logits=True
+    )
+    on_device = train.build(small_config(**kw), exp.mesh, fit_compiled=False)
+    params = jax.device_put(exp.params_numpy(state), on_device.state_sharding.params)
+    ref_tokens, ref_logits = generate.generate(on_device, params, prompt, 4, with_logits=True)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_array_equal(logits, ref_logits)

@@ -129,28 +129,32 @@ def test_split_masters_train_as_whole_ones(path, tmp_path):
 
 
 def test_split_masters_checkpoint_and_resume(tmp_path):
-    """A checkpoint holds the low halves and the compute copy; it resumes bit for bit, and a
-    run that keeps its masters whole refuses it, naming the setting."""
-    config = small_config(zero_stage=3, mesh__data=8, offload__policy="optimizer", **BF16)
+    """A checkpoint holds the low halves (the host cores' masters too) and the compute copy;
+    it resumes bit for bit, also in a run whose host cores take other chunks (their masters
+    whole: the share may change between runs, `cpu_update=-1` measures it at each start),
+    and a run that keeps its masters whole refuses it, naming the setting."""
+    kw = dict(BF16, zero_stage=1, mesh__data=8, offload__policy="optimizer")
+    config = small_config(offload__cpu_update=0.5, **kw)
     exp, state, _ = train(config, steps=2)
-    assert exp.checkpoint_layout == ("optimizer", True)
+    assert exp.checkpoint_layout == ("optimizer", True) and exp.offloaded.cpu
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
     ckpt.save(2, exp.checkpointed(state), 2, *exp.checkpoint_layout)
     ckpt.close()
-    restored, _ = Checkpointer(str(tmp_path), 1, 1).restore(
-        2, exp.checkpoint_target(), *exp.checkpoint_layout
-    )
-    restored = exp.from_checkpointed(restored)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
-    batch = exp.global_batch(make_batches(config)[2])
-    assert float(exp.train_step(restored, batch)[1]["loss"]) == float(
-        exp.train_step(state, batch)[1]["loss"]
-    )
+    batch, params = exp.global_batch(make_batches(config)[2]), exp.params_numpy(state)
+    loss = float(exp.train_step(state, batch)[1]["loss"])  # Donates `state`'s device arrays.
+    for share in (0.5, 0.0, 0.25):
+        config.offload.cpu_update = share
+        run = build(config, make_mesh(config.mesh))
+        restored, _ = Checkpointer(str(tmp_path), 1, 1).restore(
+            2, run.checkpoint_target(), *run.checkpoint_layout
+        )
+        restored = run.from_checkpointed(restored)
+        jax.tree.map(np.testing.assert_array_equal, run.params_numpy(restored), params)
+        assert float(run.train_step(restored, batch)[1]["loss"]) == loss, share
     config.offload.split_masters = False
     whole = build(config, make_mesh(config.mesh), fit_compiled=False)
-    with pytest.raises(
-        ConfigError, match=r"masters split in halves, .* --config.offload.split_masters=true"
-    ):
+    held = r"masters split in halves, .* --config.offload.split_masters=true"
+    with pytest.raises(ConfigError, match=held):
         Checkpointer(str(tmp_path), 1, 1).restore(
             2, whole.checkpoint_target(), *whole.checkpoint_layout
         )

@@ -10,6 +10,7 @@ import jax
 import jax.extend.core
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from angel_jax import steps
 from angel_jax.config import ConfigError, load_config
@@ -484,3 +485,23 @@ def test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget(monkeypatch)
         tiers.measured_budget(config, mesh)
     config.offload.device_gib = 40
     assert tiers.measured_budget(config, mesh)[DEVICE] == 40 * 2**30
+
+
+@pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
+def test_compressed_ssd_state_halves_only_float32_leaves(mu_dtype):
+    """config.offload.ssd_compress stores float32 optimizer state in bfloat16: AdamW's two
+    moments take 2 + 2 bytes a parameter on disk whether the first is float32 or already
+    bfloat16 (config.train.mu_dtype; halving the whole state counted 3 for the latter), the
+    int32 step counts 4 bytes each."""
+    from angel_jax.optim import make_optimizer
+
+    on_one = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("data",)), P())
+    placed = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_one), tree
+    )
+    params, stacked = placed({"w": jax.ShapeDtypeStruct((3, 256, 128), np.float32)}), {"w": True}
+    optimizer = make_optimizer(small_config(train__mu_dtype=mu_dtype).train)
+    opt = placed(jax.eval_shape(lambda p: optimizer.init(p, stacked), params))
+    counts = 2 * 4  # The moments' count and the schedule's, per layer.
+    on_disk = planner._compressed_state_bytes(params, opt, stacked)
+    assert on_disk == {("['w']", i): 256 * 128 * (2 + 2) + counts for i in range(3)}

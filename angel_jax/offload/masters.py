@@ -44,9 +44,19 @@ def join(low: jax.Array, compute: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def split_numpy(master: np.ndarray) -> np.ndarray:
+    """`split`'s low half of a float32 `master` on the host (checkpoints)."""
+    bits = np.asarray(master, np.float32).view(np.uint32)
+    high = (bits + np.uint32(0x8000)) >> np.uint32(16)
+    return (bits - (high << np.uint32(16))).astype(np.uint16)
+
+
 def join_numpy(low: np.ndarray, compute: np.ndarray) -> np.ndarray:
     """`join` on numpy arrays (checkpoints, exports), on the host."""
-    high = np.asarray(compute, ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+    compute = np.asarray(compute)
+    if compute.dtype != ml_dtypes.bfloat16:  # Not a high half: a cast would hide it.
+        raise TypeError(f"join_numpy: the compute copy is {compute.dtype}, not bfloat16")
+    high = compute.view(np.uint16).astype(np.uint32)
     low = np.asarray(low, np.uint16).astype(np.uint32)
     bits = (high << 16) + low - np.where(low >= 0x8000, np.uint32(0x10000), np.uint32(0))
     return bits.astype(np.uint32).view(np.float32)

@@ -276,6 +276,26 @@ def _chunks(
     return out
 
 
+def _compressed_state_bytes(abstract_params, opt_abstract, stacked) -> dict:
+    """Per update chunk (as `_chunks` names it), its optimizer state's bytes on disk with
+    config.offload.ssd_compress: its float32 leaves in bfloat16, the others as they are."""
+    out = {}
+    for (path, p), leaf_state, is_stacked in zip(
+        jax.tree_util.tree_leaves_with_path(abstract_params),
+        jax.tree.structure(abstract_params).flatten_up_to(opt_abstract),
+        jax.tree.leaves(stacked),
+        strict=True,
+    ):
+        nbytes = sum(
+            local_bytes(x) // (2 if x.dtype == np.float32 else 1)
+            for x in jax.tree.leaves(leaf_state)
+        )
+        key = jax.tree_util.keystr(path)
+        layers = range(p.shape[0]) if is_stacked else [None]
+        out.update({(key, i): nbytes // len(layers) for i in layers})
+    return out
+
+
 def may_update_between_microbatches(config, plan: Plan, pipelined: bool) -> bool:
     """Whether `plan`'s delayed update (config.offload.delayed_update) may run between the
     next step's microbatches, room allowing (`Plan.slot_bytes`): with microbatches, outside a
@@ -474,6 +494,7 @@ def make_plan(
     split = config.offload.split_masters and masters.splits(compute_dtype)
     chunk_lists = {False: _chunks(offloaded_masters, opt, stacked)}
     chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
+    compressed = _compressed_state_bytes(offloaded_masters, opt, stacked)  # ssd_compress's.
     splits = lambda name: split and name == "optimizer"  # The compute copy on the device.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
@@ -607,7 +628,7 @@ def make_plan(
                 over -= master + state
                 state_bytes["master params"] -= master
                 state_bytes["optimizer state"] -= state
-                on_disk += master + (state // 2 if config.offload.ssd_compress else state)
+                on_disk += master + (compressed[key] if config.offload.ssd_compress else state)
         state_bytes["SSD chunks"] = on_disk
         placement["SSD chunks"] = SSD
         # SSD groups go alone: the groups beside the step as they will be.

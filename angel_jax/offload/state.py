@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.cpu import CPUTier
-from angel_jax.offload.masters import LOW, compute_copy, join_numpy, split
+from angel_jax.offload.masters import LOW, compute_copy, join_numpy, split, split_numpy
 from angel_jax.offload.planner import Plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.stream import Chunk, home_kind, unstack, unstack_like
@@ -258,14 +258,20 @@ class OffloadedState:
     def checkpointed(self, state):
         """What checkpoints hold: the compute copy left out where it is derived (kept where
         it holds the split masters' high halves), the SSD and CPU tiers' chunks in (as numpy
-        arrays: the SSD tier passes through host memory while saving)."""
+        arrays: the SSD tier passes through host memory while saving). With split masters
+        every master is its low half there, the host cores' too (their compute copy is their
+        high half as well): a run that places its chunks in other tiers restores it."""
         if not self.split_masters:
             state = state.replace(compute_params=None)
         if not self.outside:
             return state
         values = self.outside.read_all()
+        masters = [
+            split_numpy(m) if self.split_masters and c.tier == CPU else m
+            for c, (m, _) in zip(self.outside.chunks, values, strict=True)
+        ]
         return state.replace(
-            params=self._with_outside(state.params, [m for m, _ in values]),
+            params=self._with_outside(state.params, masters),
             opt_state=self._with_outside(state.opt_state, [s for _, s in values]),
         )
 
@@ -278,8 +284,9 @@ class OffloadedState:
         if not self.outside:
             return state
         empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
+        low = lambda c: np.empty(c.master.shape, LOW) if self.split_masters else empty(c.master)
         return state.replace(
-            params=self._with_outside(state.params, [empty(c.master) for c in self.outside.chunks]),
+            params=self._with_outside(state.params, [low(c) for c in self.outside.chunks]),
             opt_state=self._with_outside(
                 state.opt_state, [empty(c.state) for c in self.outside.chunks]
             ),
@@ -294,7 +301,12 @@ class OffloadedState:
         if self.outside:
             masters, master_values = self._without_outside(state.params)
             opt, state_values = self._without_outside(state.opt_state)
+            computes = jax.tree.structure(self.stacked).flatten_up_to(state.compute_params)
+            compute = functools.cache(lambda w: np.asarray(jax.device_get(computes[w])))
             for chunk, m, s in zip(self.outside.chunks, master_values, state_values, strict=True):
+                if self.split_masters and chunk.tier == CPU:  # The host cores' go whole.
+                    high = compute(chunk.weight)
+                    m = join_numpy(m, high if chunk.layer is None else high[chunk.layer])
                 self.outside.put(chunk, m, s)
             self.outside.wait()
             state = state.replace(params=masters, opt_state=opt)
