@@ -176,13 +176,10 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
 
 
 def _weight_bytes(exp) -> dict:
-    """`groups.new_compute_bytes`' weight -> (compute copy's bytes, chunks, grads' bytes) of
-    `exp`'s weights; ZeRO-1: grads and the float32 compute copy alike, replicated."""
-    compute = jax.tree_util.tree_leaves_with_path(exp.abstract_state.compute_params)
-    return {
-        jax.tree_util.keystr(k): (n := planner.local_bytes(p), p.shape[0] if stacked else 1, n)
-        for (k, p), stacked in zip(compute, jax.tree.leaves(exp.stacked), strict=True)
-    }
+    """`planner.weight_sizes` of `exp`'s weights; ZeRO-1: grads laid out as the float32
+    compute copy, replicated."""
+    compute = exp.abstract_state.compute_params
+    return planner.weight_sizes(compute, compute, exp.stacked, exp.config.model.dtype)
 
 
 def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:

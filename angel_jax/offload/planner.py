@@ -276,6 +276,25 @@ def _chunks(
     return out
 
 
+def weight_sizes(params, grads, stacked, compute_dtype) -> dict[str, tuple[int, int, int]]:
+    """`groups.new_compute_bytes`' weight -> (its compute copy's bytes, its chunks: layers if
+    stacked, else 1; its float32 grads' bytes), per device, from the abstract `params` and
+    `grads` in their layouts."""
+    return {
+        jax.tree_util.keystr(path): (
+            local_bytes(p, compute_dtype),
+            p.shape[0] if is_stacked else 1,
+            local_bytes(g, np.float32),
+        )
+        for (path, p), g, is_stacked in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(grads),
+            jax.tree.leaves(stacked),
+            strict=True,
+        )
+    }
+
+
 def _compressed_state_bytes(abstract_params, opt_abstract, stacked) -> dict:
     """Per update chunk (as `_chunks` names it), its optimizer state's bytes on disk with
     config.offload.ssd_compress: its float32 leaves in bfloat16, the others as they are."""
@@ -503,21 +522,7 @@ def make_plan(
 
     # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
 
-    # Weight -> (its compute copy's bytes, its chunks, its float32 grads' bytes):
-    # `new_compute_bytes`.
-    weight_bytes = {
-        jax.tree_util.keystr(path): (
-            local_bytes(p, compute_dtype),
-            p.shape[0] if is_stacked else 1,
-            local_bytes(g, np.float32),
-        )
-        for (path, p), g, is_stacked in zip(
-            jax.tree_util.tree_leaves_with_path(params),
-            jax.tree.leaves(grads),
-            jax.tree.leaves(stacked),
-            strict=True,
-        )
-    }
+    weight_bytes = weight_sizes(params, grads, stacked, compute_dtype)
 
     def step_chunks(plan: Plan) -> Plan:
         between = may_update_between_microbatches(config, plan, pipeline is not None)
