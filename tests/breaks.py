@@ -880,8 +880,8 @@ BREAKS = [
     (
         "ssd_compress halves the whole optimizer state, bfloat16 leaves too",
         "angel_jax/offload/planner.py",
-        "            local_bytes(x) // (2 if x.dtype == np.float32 else 1)\n",
-        "            local_bytes(x) // 2\n",
+        "        local_bytes(x) // (2 if x.dtype == np.float32 else 1) for x in",
+        "        local_bytes(x) // 2 for x in",
         ["tests/test_offload_planner.py::test_compressed_ssd_state_halves_only_float32_leaves"],
     ),
 ]

@@ -503,5 +503,6 @@ def test_compressed_ssd_state_halves_only_float32_leaves(mu_dtype):
     optimizer = make_optimizer(small_config(train__mu_dtype=mu_dtype).train)
     opt = placed(jax.eval_shape(lambda p: optimizer.init(p, stacked), params))
     counts = 2 * 4  # The moments' count and the schedule's, per layer.
-    on_disk = planner._compressed_state_bytes(params, opt, stacked)
-    assert on_disk == {("['w']", i): 256 * 128 * (2 + 2) + counts for i in range(3)}
+    on_disk = planner._chunks(params, opt, stacked, planner._on_disk)
+    master, state = 256 * 128 * 4, 256 * 128 * (2 + 2) + counts
+    assert on_disk == [(("['w']", i), master, state) for i in range(3)]

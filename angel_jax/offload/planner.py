@@ -256,9 +256,10 @@ def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
 
 
 def _chunks(
-    abstract_params, opt_abstract, stacked
+    abstract_params, opt_abstract, stacked, state_bytes=local_bytes
 ) -> list[tuple[tuple[str, int | None], int, int]]:
-    """((weight path, layer or None), master bytes, state bytes) of each update chunk."""
+    """((weight path, layer or None), master bytes, state bytes) of each update chunk; the
+    state's bytes as `state_bytes` counts a parameter's state (`_on_disk`: compressed)."""
     out = []
     for (path, p), leaf_state, is_stacked in zip(
         jax.tree_util.tree_leaves_with_path(abstract_params),
@@ -266,7 +267,7 @@ def _chunks(
         jax.tree.leaves(stacked),
         strict=True,
     ):
-        master, state = local_bytes(p), local_bytes(leaf_state)
+        master, state = local_bytes(p), state_bytes(leaf_state)
         key = jax.tree_util.keystr(path)
         if is_stacked:
             n = p.shape[0]
@@ -295,24 +296,12 @@ def weight_sizes(params, grads, stacked, compute_dtype) -> dict[str, tuple[int, 
     }
 
 
-def _compressed_state_bytes(abstract_params, opt_abstract, stacked) -> dict:
-    """Per update chunk (as `_chunks` names it), its optimizer state's bytes on disk with
-    config.offload.ssd_compress: its float32 leaves in bfloat16, the others as they are."""
-    out = {}
-    for (path, p), leaf_state, is_stacked in zip(
-        jax.tree_util.tree_leaves_with_path(abstract_params),
-        jax.tree.structure(abstract_params).flatten_up_to(opt_abstract),
-        jax.tree.leaves(stacked),
-        strict=True,
-    ):
-        nbytes = sum(
-            local_bytes(x) // (2 if x.dtype == np.float32 else 1)
-            for x in jax.tree.leaves(leaf_state)
-        )
-        key = jax.tree_util.keystr(path)
-        layers = range(p.shape[0]) if is_stacked else [None]
-        out.update({(key, i): nbytes // len(layers) for i in layers})
-    return out
+def _on_disk(state) -> int:
+    """An optimizer state's bytes on disk with config.offload.ssd_compress: its float32
+    leaves in bfloat16, the others as they are."""
+    return sum(
+        local_bytes(x) // (2 if x.dtype == np.float32 else 1) for x in jax.tree.leaves(state)
+    )
 
 
 def may_update_between_microbatches(config, plan: Plan, pipelined: bool) -> bool:
@@ -513,8 +502,8 @@ def make_plan(
     split = config.offload.split_masters and masters.splits(compute_dtype)
     chunk_lists = {False: _chunks(offloaded_masters, opt, stacked)}
     chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
-    compressed = _compressed_state_bytes(offloaded_masters, opt, stacked)  # ssd_compress's.
-    splits = lambda name: split and name == "optimizer"  # The compute copy on the device.
+    compressed = {key: s for key, _, s in _chunks(offloaded_masters, opt, stacked, _on_disk)}
+    split_for = lambda name: split and name == "optimizer"  # The compute copy on the device.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
     speculative = in_step and config.offload.speculative_update
@@ -550,12 +539,12 @@ def make_plan(
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
-            "master params": local_bytes(offloaded_masters) // (2 if splits(name) else 1),
+            "master params": local_bytes(offloaded_masters) // (2 if split_for(name) else 1),
             "optimizer state": local_bytes(opt),
             **saved,
         }
         if not in_step:  # Else the update runs inside the step: "chunks in the step".
-            out["update chunks"] = in_flight_bytes(chunk_lists[splits(name)], in_flight)
+            out["update chunks"] = in_flight_bytes(chunk_lists[split_for(name)], in_flight)
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
@@ -599,8 +588,16 @@ def make_plan(
         state_bytes = sizes(name, remat)
         on_host = host_states[name] + (("layer inputs",) if inputs == HOST else ())
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
-        plan = Plan(name, remat, placement, state_bytes, budget, num_params, mesh.size)
-        plan = dataclasses.replace(plan, split_masters=splits(name))
+        plan = Plan(
+            name,
+            remat,
+            placement,
+            state_bytes,
+            budget,
+            num_params,
+            mesh.size,
+            split_masters=split_for(name),
+        )
         chunks = chunk_lists[plan.split_masters]
         # With every chunk in host memory: the room the groups beside the step may take.
         plan = step_chunks(plan)
