@@ -6,13 +6,8 @@
 #     bash experiments/two_gpu.sh setup                   # only the wheels (every run does it
 #                                                         # first on a fresh machine)
 #
-# Each run keeps its whole call under ~560 s: every python command runs under `timeout`, capped
-# by what is left of that budget, and RUN_TIMEOUT_S (experiments/throughput.py's `run`) stops a
-# slow child process so that its parent still writes its JSON (a child cut short is recorded as
-# timed out). Results go to $OUT/<name>.json through the scripts' --out flags, everything
-# printed to $OUT/<name>.log; at most 8 files come back from $OUT, so a run that leaves more
-# packs all but its JSONs and logs into $OUT/<run>_extras.tar.gz. Copy what comes back into
-# experiments/results/ (the JSONs hold the command, the machine and the versions).
+# Each run keeps its whole call under ~560 s (experiments/gpu_job.sh says how); copy what comes
+# back into experiments/results/.
 # Expected seconds are estimates from the 2026-11-30 two-GPU jobs (a llama_1b child ~30 s).
 #
 # 1  (item 1, scaling 1 -> 2 GPUs, llama_1b, ZeRO-3, same per-GPU batch 8): the two-GPU
@@ -59,71 +54,22 @@
 set -uo pipefail
 
 RUN=${1:-}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-EXP=$ROOT/experiments
-PY=${PYTHON:-python3}
-LIMIT=${TWO_GPU_LIMIT_S:-560}  # Seconds, from this script's start, for the whole run.
+GPU_JOB_LIMIT_S=${TWO_GPU_LIMIT_S:-560} GPU_JOB_SKIP_SETUP=${TWO_GPU_SKIP_SETUP:-}
 OUT=${OUT:-/tmp/two_gpu_out}
-mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_job.sh"
 
 usage() {
     echo "usage: bash experiments/two_gpu.sh setup|1|2a|2b|3a|3b|4a|4b|5|6 (runs 2, 3, 4 are split)"
 }
 
-setup() {
-    (cd "$ROOT" \
-        && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/tokamax/*.whl \
-        && cp -r .whl/tokamax/xprof-stub /tmp/site/xprof)
-}
-
-environment() {
-    if [[ -z ${TWO_GPU_SKIP_SETUP:-} && ! -d /tmp/site/ml_collections ]]; then
-        echo "setup: installing .whl/ into /tmp/site"
-        setup || { echo "setup failed (is .whl carried?)"; exit 1; }
-    fi
-    export PYTHONPATH=/tmp/site XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
+two_gpus() {
+    environment
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast stays off (KINDS.md).
     if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
         local gpus
         gpus=$(nvidia-smi -L | grep -c GPU)
         ((gpus >= 2)) || { echo "run $RUN needs 2 GPUs, $gpus visible: nvidia-h200-x2?"; exit 1; }
     fi
-}
-
-# py LOG TOTAL_S CHILD_S SCRIPT ARGS...: SCRIPT (in experiments/) under `timeout` of TOTAL_S
-# seconds, or what is left of LIMIT if less; CHILD_S > 0 sets RUN_TIMEOUT_S for its children
-# (at most that timeout less 30 s, so the parent outlives them and writes its JSON). Output
-# is appended to $OUT/LOG.log.
-py() {
-    local log=$OUT/$1.log total=$2 child=$3
-    shift 3
-    local cap=$((LIMIT - SECONDS - 5))
-    ((total > cap)) && total=$cap
-    if ((total < 30)); then
-        echo "skipped, ${cap} s left: $*" | tee -a "$log"
-        return 124
-    fi
-    ((child > total - 30)) && child=$((total - 30))
-    local env=()
-    ((child > 0)) && env=(RUN_TIMEOUT_S="$child")
-    echo "+ [${SECONDS} s] ${env[*]} timeout $total $PY $*" | tee -a "$log"
-    (cd "$EXP" && env "${env[@]}" timeout -k 10 "$total" "$PY" "$@") 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "+ [${SECONDS} s] exit $rc: $1" | tee -a "$log"
-    return "$rc"
-}
-
-finish() {  # At most 8 files come back from $OUT: pack the rest beside the JSONs and logs.
-    local files
-    files=$(find "$OUT" -type f | wc -l)
-    if ((files > 8)); then
-        (cd "$OUT" && find . -type f ! -name '*.json' ! -name '*.log' -print0 \
-            | tar --null -czf "run${RUN}_extras.tar.gz" --remove-files -T -)
-        find "$OUT" -mindepth 1 -type d -empty -delete
-    fi
-    echo "run $RUN: done in ${SECONDS} s"
-    ls -la "$OUT"
 }
 
 case $RUN in
@@ -132,7 +78,7 @@ setup)
     exit
     ;;
 1)
-    environment
+    two_gpus
     # Exposed collective time per GPU at the default settings: the target for the settings.
     py scaling_llama_1b_2gpu 150 0 profile_step.py \
         --out "$OUT/profile_llama_1b_2gpu_zero3.json" \
@@ -143,18 +89,18 @@ setup)
         --out "$OUT/scaling_llama_1b_2gpu.json"
     ;;
 2a)
-    environment
+    two_gpus
     py pipeline_2gpu 540 95 pipeline.py --steps 5 --only "data=2,pipeline=2 1f1b m=8,balance" \
         --out "$OUT/pipeline_2gpu.json"
     ;;
 2b)
-    environment
+    two_gpus
     py pipeline_2gpu_schedules 540 80 pipeline.py --steps 5 \
         --only "pipeline=2 1f1b m=8,pipeline=2 gpipe m=8,pipeline=2 circular v=2 m=8,bubble" \
         --out "$OUT/pipeline_2gpu_schedules.json"
     ;;
 3a)
-    environment
+    two_gpus
     py long_context_2gpu_ring 540 510 long_context.py --context 2 --start 524288 --max 524288 \
         --warmup 0 --out "$OUT/long_context_2gpu_ring.json"
     if ((LIMIT - SECONDS >= 150)); then
@@ -163,23 +109,23 @@ setup)
     fi
     ;;
 3b)
-    environment
+    two_gpus
     py long_context_2gpu_ulysses 540 510 long_context.py --sequence 2 --start 524288 \
         --max 524288 --warmup 0 --out "$OUT/long_context_2gpu_ulysses.json"
     ;;
 4a)
-    environment
+    two_gpus
     py moe_throughput_2gpu 540 125 moe_throughput.py --expert 2 --routers dropless,topk \
         --dispatch-chunks 1,4 --out "$OUT/moe_throughput_2gpu.json"
     ;;
 4b)
-    environment
+    two_gpus
     py moe_throughput_2gpu_expert_choice 540 160 moe_throughput.py --expert 2 \
         --routers expert_choice --dispatch-chunks 1,4 \
         --out "$OUT/moe_throughput_2gpu_expert_choice.json"
     ;;
 5)
-    environment
+    two_gpus
     export THROUGHPUT_HLO_DIR=$OUT/hlo  # The compiled steps, to count bytes on the wire from.
     py fp8_collectives_2gpu 200 90 fp8_throughput.py --devices 2 --only "bf16,fp8 collectives" \
         --out "$OUT/fp8_collectives_2gpu_llama_1b.json" -- --config.train.batch_size=16
@@ -188,7 +134,7 @@ setup)
         --out "$OUT/fp8_collectives_2gpu_llama3_8b.json" -- --config.model.remat=full
     ;;
 6)
-    environment
+    two_gpus
     py llama3_8b_2gpu 540 170 scaling.py --gpus 2 \
         --only "llama3_8b zero3 data=2,llama3_8b tensor=2 data=1,llama3_8b tensor=2 sequence parallel data=1" \
         --out "$OUT/llama3_8b_2gpu.json"

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -386,3 +387,24 @@ def test_the_allocator_model_takes_the_best_fit_and_merges_freed_neighbours():
     assert pool.largest_free() == 400 * mib
     with pytest.raises(MemoryError, match="free in 2 holes"):
         pool.alloc("f", 500 * mib)
+
+
+def test_the_one_gpu_runs_name_offload_throughputs_variants(tmp_path):
+    """`one_gpu.sh`'s runs select by exact name (`--only "=NAME;..."`): each name is a variant
+    of `offload_throughput.py`, so a renamed variant fails here, not on the GPU."""
+    import offload_throughput
+
+    argv = tmp_path / "argv"
+    python = tmp_path / "python"  # Records the arguments instead of running anything.
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {argv}\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_JOB_SKIP_SETUP="1")
+    script = throughput.ROOT / "experiments/one_gpu.sh"
+    names = {v[0] for v in offload_throughput.VARIANTS}
+    for label in set(re.findall(r"^(\w+)\)$", script.read_text(), re.M)) - {"setup"}:
+        argv.write_text("")
+        subprocess.run(["bash", str(script), label], env=env, check=True, capture_output=True)
+        args = argv.read_text().splitlines()
+        assert args[0] == "offload_throughput.py", (label, args)
+        picked = args[args.index("--only") + 1].split(";")
+        assert picked and all(p[:1] == "=" and p[1:] in names for p in picked), (label, picked)
