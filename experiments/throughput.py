@@ -515,7 +515,6 @@ def offload_breakdown(exp, state, batch) -> dict:
     return dict(
         compute_s=middle - start,
         update_s=end - middle,
-        update_gb_each_way=moved / 1e9,
         update_gbps_each_way=moved / 1e9 / (end - middle),
         **({"cpu_update_seconds": dict(cpu.seconds)} if cpu else {}),
     )

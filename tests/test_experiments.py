@@ -408,3 +408,16 @@ def test_the_one_gpu_runs_name_offload_throughputs_variants(tmp_path):
         assert args[0] == "offload_throughput.py", (label, args)
         picked = args[args.index("--only") + 1].split(";")
         assert picked and all(p[:1] == "=" and p[1:] in names for p in picked), (label, picked)
+
+
+def test_an_offloaded_child_reports_its_update(monkeypatch):
+    """`throughput.child` on an offloaded run (the tiny config on the CPU): its result holds
+    the plan's bytes moved and the broken-down step's parts, each once (a key both gave made
+    every offloaded GPU row fail on 2026-12-05)."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    overrides = ["--config.offload.policy=optimizer", "--config.offload.cpu_update=0"]
+    overrides += ["--config.model.dtype=bfloat16", "--config.train.steps=3"]
+    result = throughput.run_ours(str(throughput.ROOT / "configs/tiny.py"), overrides, 1, 1)
+    assert "error" not in result, result
+    assert result["split_masters"] and result["update_gb_each_way"] > 0, result
+    assert result["compute_s"] > 0 and result["update_gbps_each_way"] > 0, result

@@ -28,7 +28,11 @@ def splits(compute_dtype) -> bool:
 
 def split(master: jax.Array, compute_dtype) -> tuple[jax.Array, jax.Array]:
     """(the low half, the compute copy) of float32 `master`; inside or outside jit."""
-    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+    # The barrier makes both halves read one evaluation of `master`. Without it XLA may fuse
+    # the update that makes `master` into each half's consumers and compute it twice, and two
+    # evaluations can differ in the last bit (seen on the CPU at -O0, jax 0.11.2): at a tie
+    # the halves then join one bfloat16 step off.
+    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(master, jnp.uint32))
     high = (bits + 0x8000) >> 16
     low = (bits - (high << 16)).astype(LOW)  # The difference, in [-0x8000, 0x7fff], mod 2**16.
     compute = jax.lax.bitcast_convert_type(high.astype(jnp.uint16), compute_dtype)
