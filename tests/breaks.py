@@ -840,6 +840,13 @@ BREAKS = [
         ["tests/test_offload_masters.py::test_halves_join_into_the_master_bit_for_bit"],
     ),
     (
+        "split masters' halves read two evaluations of the master (no barrier)",
+        "angel_jax/offload/masters.py",
+        "    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(master, jnp.uint32))\n",
+        "    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)\n",
+        ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
+    ),
+    (
         "the planner counts split masters whole",
         "angel_jax/offload/planner.py",
         "    chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]\n",
