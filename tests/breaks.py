@@ -842,7 +842,8 @@ BREAKS = [
     (
         "split masters' halves read two evaluations of the master (no barrier)",
         "angel_jax/offload/masters.py",
-        "    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(master, jnp.uint32))\n",
+        "    bits = jax.lax.optimization_barrier("
+        "jax.lax.bitcast_convert_type(master, jnp.uint32))\n",
         "    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)\n",
         ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
     ),
