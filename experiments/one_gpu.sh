@@ -11,7 +11,7 @@
 #           between the next step's microbatches; split masters (the default), whole ones, and
 #           AdamW's first moment in bfloat16; then the DeepSpeed ZeRO-Offload peer when
 #           .baselines/ is carried (and DeepSpeed in .whl/) -> offload_policies_llama_1b.json.
-#           ~8.5 min (501 s on an H100 on 2026-12-05, the peer's ~100 s included).
+#           ~8.5 min (501 s on an H100 on 2026-12-05, the peer included).
 # 8b        `llama3_8b` at 16 x 8192 tokens a step (`policy=auto`): the delayed update between
 #           microbatches, then the exact one after the step -> offload_8b_128k.json. ~8 min.
 #
