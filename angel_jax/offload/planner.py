@@ -502,7 +502,8 @@ def make_plan(
     split = config.offload.split_masters and masters.splits(compute_dtype)
     chunk_lists = {False: _chunks(offloaded_masters, opt, stacked)}
     chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
-    compressed = {key: s for key, _, s in _chunks(offloaded_masters, opt, stacked, _on_disk)}
+    disk_bytes = _on_disk if config.offload.ssd_compress else local_bytes
+    state_on_disk = {key: s for key, _, s in _chunks(offloaded_masters, opt, stacked, disk_bytes)}
     split_for = lambda name: split and name == "optimizer"  # The compute copy on the device.
     in_flight = config.offload.chunks_in_flight
     in_step = config.offload.update_in_step
@@ -630,7 +631,7 @@ def make_plan(
                 over -= master + state
                 state_bytes["master params"] -= master
                 state_bytes["optimizer state"] -= state
-                on_disk += master + (compressed[key] if config.offload.ssd_compress else state)
+                on_disk += master + state_on_disk[key]
         state_bytes["SSD chunks"] = on_disk
         placement["SSD chunks"] = SSD
         # SSD groups go alone: the groups beside the step as they will be.
