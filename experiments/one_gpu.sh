@@ -14,6 +14,12 @@
 #           ~8.5 min (501 s on an H100 on 2026-12-05, the peer included).
 # 8b        `llama3_8b` at 16 x 8192 tokens a step (`policy=auto`): the delayed update between
 #           microbatches, then the exact one after the step -> offload_8b_128k.json. ~8 min.
+# bound     What bounds `llama_1b`'s offloaded step at 8 x 2048: its update's bytes (11.0 GB each
+#           way with split masters) as runtime copies beside 0.25 s of matmuls (its step
+#           without offload), independent and as a round trip of the same arrays
+#           (copy_overlap_probe.py -> copy_overlap_probe_llama_1b_bytes.json); then a profile
+#           of the delayed update between 4 microbatches (profile_step.py ->
+#           profile_llama_1b_8x2048_delayed.*). ~4 min.
 #
 # Each run keeps its call under ~560 s (experiments/gpu_job.sh says how); copy what comes back
 # into experiments/results/. Local dry checks: PYTHON=... OUT=... GPU_JOB_SKIP_SETUP=1 bash
@@ -25,7 +31,7 @@ RUN=${1:-}
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_job.sh"
 
 usage() {
-    echo "usage: bash experiments/one_gpu.sh setup|llama_1b|8b"
+    echo "usage: bash experiments/one_gpu.sh setup|llama_1b|8b|bound"
 }
 
 V1="llama_1b optimizer, device update, 8 in flight"
@@ -51,6 +57,17 @@ llama_1b)
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=95 py offload_8b_128k 550 260 offload_throughput.py \
         --warmup 3 --steps 2 --only "=$V8, delayed, device update;=$V8, device update" \
         --out "$OUT/offload_8b_128k.json"
+    ;;
+bound)
+    environment
+    export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=60
+    py copy_overlap_probe_llama_1b_bytes 150 0 copy_overlap_probe.py --gib 10.24 --chunks 40 \
+        --matmuls 182 --only "compute;both;update schedule;chained" \
+        --out "$OUT/copy_overlap_probe_llama_1b_bytes.json"
+    py profile_llama_1b_8x2048_delayed 360 0 profile_step.py --steps 2 --warmup 3 \
+        --out "$OUT/profile_llama_1b_8x2048_delayed.json" -- --config.train.microbatches=4 \
+        --config.offload.policy=optimizer --config.offload.cpu_update=0 \
+        --config.offload.delayed_update=true
     ;;
 *)
     usage

@@ -390,24 +390,32 @@ def test_the_allocator_model_takes_the_best_fit_and_merges_freed_neighbours():
 
 
 def test_the_one_gpu_runs_name_offload_throughputs_variants(tmp_path):
-    """`one_gpu.sh`'s runs select by exact name (`--only "=NAME;..."`): each name is a variant
-    of `offload_throughput.py`, so a renamed variant fails here, not on the GPU."""
+    """`one_gpu.sh`'s runs of `offload_throughput.py` select by exact name (`--only
+    "=NAME;..."`): each name is one of its variants, so a renamed variant fails here, not on
+    the GPU; every script a run calls exists."""
     import offload_throughput
 
     argv = tmp_path / "argv"
-    python = tmp_path / "python"  # Records the arguments instead of running anything.
-    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {argv}\n')
+    python = tmp_path / "python"  # Records each call's arguments instead of running anything.
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" "--end--" >> {argv}\n')
     python.chmod(0o755)
     env = dict(os.environ, PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_JOB_SKIP_SETUP="1")
     script = throughput.ROOT / "experiments/one_gpu.sh"
     names = {v[0] for v in offload_throughput.VARIANTS}
+    throughput_runs = 0
     for label in set(re.findall(r"^(\w+)\)$", script.read_text(), re.M)) - {"setup"}:
         argv.write_text("")
         subprocess.run(["bash", str(script), label], env=env, check=True, capture_output=True)
-        args = argv.read_text().splitlines()
-        assert args[0] == "offload_throughput.py", (label, args)
-        picked = args[args.index("--only") + 1].split(";")
-        assert picked and all(p[:1] == "=" and p[1:] in names for p in picked), (label, picked)
+        calls = [c.strip("\n").split("\n") for c in argv.read_text().split("--end--\n")[:-1]]
+        assert calls, label
+        for args in calls:
+            assert (throughput.ROOT / "experiments" / args[0]).is_file(), (label, args)
+            if args[0] != "offload_throughput.py":
+                continue
+            throughput_runs += 1
+            picked = args[args.index("--only") + 1].split(";")
+            assert picked and all(p[:1] == "=" and p[1:] in names for p in picked), (label, picked)
+    assert throughput_runs >= 2
 
 
 def test_an_offloaded_child_reports_its_update(monkeypatch):
