@@ -16,10 +16,10 @@
 #           microbatches, then the exact one after the step -> offload_8b_128k.json. ~8 min.
 # bound     What bounds `llama_1b`'s offloaded step at 8 x 2048: its update's bytes (11.0 GB each
 #           way with split masters) as runtime copies beside 0.25 s of matmuls (its step
-#           without offload), independent and as a round trip of the same arrays
-#           (copy_overlap_probe.py -> copy_overlap_probe_llama_1b_bytes.json); then a profile
-#           of the delayed update between 4 microbatches (profile_step.py ->
-#           profile_llama_1b_8x2048_delayed.*). ~4 min.
+#           without offload), in each order the runtime offers, a round trip of the same
+#           arrays among them (copy_overlap_probe.py -> copy_overlap_probe_llama_1b_bytes.json;
+#           78 s on an H100 on 2026-12-05); then a profile of the delayed update between 4
+#           microbatches (profile_step.py -> profile_llama_1b_8x2048_delayed.*). ~4 min.
 #
 # Each run keeps its call under ~560 s (experiments/gpu_job.sh says how); copy what comes back
 # into experiments/results/. Local dry checks: PYTHON=... OUT=... GPU_JOB_SKIP_SETUP=1 bash
@@ -62,8 +62,7 @@ bound)
     environment
     export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=60
     py copy_overlap_probe_llama_1b_bytes 150 0 copy_overlap_probe.py --gib 10.24 --chunks 40 \
-        --matmuls 182 --only "compute;both;update schedule;chained" \
-        --out "$OUT/copy_overlap_probe_llama_1b_bytes.json"
+        --matmuls 182 --out "$OUT/copy_overlap_probe_llama_1b_bytes.json"
     py profile_llama_1b_8x2048_delayed 360 0 profile_step.py --steps 2 --warmup 3 \
         --out "$OUT/profile_llama_1b_8x2048_delayed.json" -- --config.train.microbatches=4 \
         --config.offload.policy=optimizer --config.offload.cpu_update=0 \
