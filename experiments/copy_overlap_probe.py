@@ -39,7 +39,6 @@ A probe for the design, not a trainer feature.
 
 import argparse
 import concurrent.futures as futures
-import functools
 import gzip
 import json
 import pathlib
@@ -221,10 +220,7 @@ def main() -> int:
         "chained": chained,
         "512 h2d then compute": lambda: many_h2d(False),
         "512 h2d, tiny program, compute": lambda: many_h2d(True),
-        **{
-            name: functools.partial(lambda c, a: c(*a()), c, program_args[name])
-            for name, c in compiled.items()
-        },
+        **{name: lambda c=c, name=name: c(*program_args[name]()) for name, c in compiled.items()},
     }
     if args.only:
         cases = {k: v for k, v in cases.items() if any(p in k for p in args.only.split(";"))}
