@@ -1,0 +1,321 @@
+"""The headline records, re-run: one recipe per record, one current record per GPU kind.
+
+    python experiments/bench.py --list                 # the recipes, where they fit, how long
+    python experiments/bench.py [--only NAME,...] [--gpu h100|h200] [--budget 560]
+    python experiments/bench.py --table                # experiments/RESULTS.md from the records
+    python experiments/bench.py --not-run WHY --only NAME --gpu h100   # say why it did not run
+
+A recipe runs one experiment script (each variant in a child process of its own, as the script
+does), reads the JSON it writes, and keeps its headline figures in
+`experiments/records/<gpu>/<recipe>.json` with the command, the machine, the versions and the
+commit: one current file per recipe and GPU kind (git keeps the history). A re-run prints each
+compared figure over the record's; a failed run, a figure more than 5% under its record, or one
+under its goal ends with exit status 1. Recipes whose expected time passes what is left of
+`--budget` (seconds for the whole call, a device call's ~560 s by default) are skipped and said
+so: split them across calls with `--only`.
+
+On the GPU machine, carry the wheels as experiments/gpu_job.sh says (`.whl`, installed here
+when they are not yet), and a copy of ../shared/baselines as `.baselines` for the peers:
+
+    run(carry=[".whl", ".baselines"], command="python3 experiments/bench.py --only llama_1b \
+        --out $OUT/records --logs $OUT/logs")
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from recipes import KINDS, RECIPES, Failed, Recipe
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "experiments/records"
+RESULTS_MD = ROOT / "experiments/RESULTS.md"
+TOLERANCE = 0.05  # A re-run's compared figure may be this much under its record.
+
+
+def detect_kind() -> str:
+    """h100 or h200, from nvidia-smi (this process must not start a GPU client of its own)."""
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        names = ""
+    for kind in KINDS:
+        if kind in names.lower():
+            return kind
+    raise SystemExit(
+        f"error: no H100 or H200 found ({names.strip() or 'no nvidia-smi'}): pass --gpu"
+    )
+
+
+def commit() -> str:
+    """The commit measured: BENCH_COMMIT (a device machine's copy has no .git), else git's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "") or "unknown"
+
+
+def record_path(root: pathlib.Path, kind: str, name: str) -> pathlib.Path:
+    return root / kind / f"{name}.json"
+
+
+def load(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def install_wheels() -> None:
+    """The GPU machine lacks some packages: install the carried wheels once (gpu_job.sh's
+    setup) and hand them to every child."""
+    site = pathlib.Path("/tmp/site")
+    if (ROOT / ".whl").is_dir() and not (site / "ml_collections").exists():
+        print("installing .whl/ into /tmp/site", flush=True)
+        setup = f"source {ROOT}/experiments/gpu_job.sh && setup"
+        subprocess.run(["bash", "-c", setup], check=True, env={**os.environ, "OUT": "/tmp"})
+    if site.exists():
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(site), os.environ.get("PYTHONPATH")])
+        )
+
+
+def judge(recipe: Recipe, kind: str, figures: dict, before: dict | None) -> tuple[str, dict]:
+    """(status, {figure: new / recorded}) of a run that produced `figures`."""
+    vs = {}
+    recorded = (before or {}).get("metrics") or {}
+    for name in recipe.compare:
+        if recorded.get(name):
+            vs[name] = figures[name] / recorded[name]
+    for name, (least, most) in recipe.goals.get(kind, {}).items():
+        if least is not None and figures[name] < least or most is not None and figures[name] > most:
+            return "off goal", vs
+    if any(ratio < 1 - TOLERANCE for ratio in vs.values()):
+        return "regressed", vs
+    return "ok", vs
+
+
+def run_recipe(recipe: Recipe, kind: str, args, before: dict | None) -> dict:
+    """Runs one recipe on this machine and returns its record."""
+    logs = pathlib.Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "results.json"
+        cmd = [sys.executable, *recipe.command(kind, str(out), args.baselines)]
+        env = {**os.environ, **recipe.env, "RUN_LOG_DIR": str(logs / f"{recipe.name}.{kind}")}
+        limit = recipe.seconds[kind] * 2  # A run far past its expected time is stuck.
+        env.setdefault("RUN_TIMEOUT_S", str(limit))
+        shown = " ".join([*(f"{k}={v}" for k, v in recipe.env.items()), "python", *cmd[1:]])
+        print(f"\n== {recipe.name} on {kind}: {shown}", flush=True)
+        start = time.perf_counter()
+        with open(logs / f"{recipe.name}.{kind}.log", "w") as log:
+            try:
+                proc = subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=limit + 60,
+                )
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timed out"
+        wall = time.perf_counter() - start
+        written = load(out) or {}
+    record = dict(
+        recipe=recipe.name,
+        gpu=kind,
+        what=recipe.what,
+        command=shown.replace(str(out), "RESULTS.json"),
+        commit=commit(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        machine=written.get("machine", {}),
+        wall_s=round(wall, 1),
+        expected_s=recipe.seconds[kind],
+        goals=recipe.goals.get(kind, {}),
+        results=written.get("results", []),
+    )
+    try:
+        if not written:
+            raise Failed(f"exit {code}, no results written (log: {recipe.name}.{kind}.log)")
+        record["metrics"] = recipe.metrics(written["results"], kind)
+    except Failed as e:
+        record.update(status="failed", error=str(e))
+        if before and before.get("metrics"):
+            record["last_good"] = {k: before[k] for k in ("metrics", "commit", "date")}
+        return record
+    record["status"], record["vs_record"] = judge(recipe, kind, record["metrics"], before)
+    return record
+
+
+def shown(value) -> str:
+    if isinstance(value, str):
+        return value
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def goal_text(goal) -> str:
+    least, most = goal
+    return " and ".join(
+        part
+        for part in (least is not None and f">= {least:g}", most is not None and f"<= {most:g}")
+        if part
+    )
+
+
+def report(record: dict) -> str:
+    """A run's figures, in a line each, with the ratio to the record's."""
+    lines = [f"{record['recipe']} on {record['gpu']}: {record['status']} ({record['wall_s']} s)"]
+    if "error" in record:
+        lines.append(f"  error: {record['error']}")
+    for name, value in record.get("metrics", {}).items():
+        vs = record.get("vs_record", {}).get(name)
+        goal = record.get("goals", {}).get(name)
+        lines.append(
+            f"  {name:<44} {shown(value):>12}"
+            + (f"   x{vs:.3f} of the record" if vs else "")
+            + (f"   (goal {goal_text(goal)})" if goal else "")
+        )
+    return "\n".join(lines)
+
+
+def cell(record: dict | None, recipe: Recipe, kind: str) -> str:
+    """One recipe on one GPU kind, for the table."""
+    if kind not in recipe.seconds:
+        return f"does not fit: {recipe.unfit.get(kind, 'not planned')}"
+    if record is None:
+        return "not run: no record yet"
+    if record["status"] == "not run":
+        return f"not run: {record['why']}"
+    if record["status"] == "failed":
+        return f"**failed**: {record['error']}"
+    text = "; ".join(f"{k} {shown(v)}" for k, v in record["metrics"].items())
+    flag = "" if record["status"] == "ok" else f" **{record['status']}**"
+    return f"{text}{flag}"
+
+
+def table(root: pathlib.Path) -> str:
+    """experiments/RESULTS.md: every recipe on every kind, from the record files."""
+    lines = [
+        "# Benchmark records",
+        "",
+        "Generated by `python experiments/bench.py --table` from `experiments/records/`; do not",
+        "edit. Re-run a record with `python experiments/bench.py --only NAME` on the GPU",
+        "machine; the recipes are in `experiments/recipes.py`.",
+        "",
+        "| recipe | record | " + " | ".join(k.upper() for k in KINDS) + " |",
+        "|---|---|" + "---|" * len(KINDS),
+    ]
+    runs = []
+    for recipe in RECIPES:
+        cells = []
+        for kind in KINDS:
+            record = load(record_path(root, kind, recipe.name))
+            cells.append(cell(record, recipe, kind))
+            if record and record["status"] != "not run":
+                runs.append(record)
+        lines.append(f"| `{recipe.name}` | {recipe.what} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "| recipe | GPU | device | jax | commit | date | wall s | command |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    notes = []
+    for r in runs:
+        m = r.get("machine", {})
+        lines.append(
+            f"| `{r['recipe']}` | {r['gpu']} | {m.get('device', '?')} | {m.get('jax', '?')} | "
+            f"{r['commit']} | {r['date'][:10]} | {shown(r['wall_s'] or '-')} | `{r['command']}` |"
+        )
+        if r.get("note"):
+            notes.append(f"- `{r['recipe']}` on {r['gpu']}: {r['note']}.")
+    return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
+    p.add_argument("--gpu", choices=KINDS, help="the GPU kind (default: nvidia-smi's)")
+    p.add_argument("--budget", type=float, default=560, help="seconds for the whole call")
+    p.add_argument("--records", default=str(RECORDS), help="the records compared with")
+    p.add_argument("--out", help="where new records go (default: --records)")
+    p.add_argument("--logs", default=str(ROOT / "runs/bench_logs"))
+    p.add_argument("--baselines", default=str(ROOT / ".baselines"), help="the peers' scripts")
+    p.add_argument("--list", action="store_true", help="list the recipes")
+    p.add_argument("--table", action="store_true", help=f"write {RESULTS_MD.name}")
+    p.add_argument("--not-run", metavar="WHY", help="record that --only's recipes did not run")
+    args = p.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    known = {r.name: r for r in RECIPES}
+    for n in names:
+        if n not in known:
+            p.error(f"no recipe {n!r}; the recipes: {', '.join(known)}")
+    chosen = [known[n] for n in names] if names else RECIPES
+    records = pathlib.Path(args.records)
+    out = pathlib.Path(args.out or args.records)
+    if args.list:
+        for r in chosen:
+            fits = ", ".join(f"{k} ~{s} s" for k, s in r.seconds.items())
+            print(f"{r.name:<26} {fits:<24} {r.what}")
+        return 0
+    if args.table:
+        RESULTS_MD.write_text(table(records))
+        print(f"wrote {RESULTS_MD}")
+        return 0
+    kind = args.gpu or detect_kind()
+    if args.not_run:
+        for r in chosen:
+            path = record_path(out, kind, r.name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            note = dict(recipe=r.name, gpu=kind, what=r.what, status="not run", why=args.not_run)
+            path.write_text(json.dumps(note, indent=1) + "\n")
+        return 0
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    install_wheels()
+    start, bad = time.perf_counter(), []
+    for recipe in chosen:
+        if kind not in recipe.seconds:
+            print(f"\n== {recipe.name}: not on {kind}: {recipe.unfit.get(kind, 'not planned')}")
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if recipe.seconds[kind] > left:
+            print(f"\n== {recipe.name}: skipped, ~{recipe.seconds[kind]} s > {left:.0f} s left")
+            bad.append(recipe.name)
+            continue
+        before = load(record_path(records, kind, recipe.name))
+        record = run_recipe(recipe, kind, args, before)
+        path = record_path(out, kind, recipe.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(report(record), flush=True)
+        if record["status"] != "ok":
+            bad.append(recipe.name)
+    print(f"\n{len(bad)} of {len(chosen)} not ok: {', '.join(bad)}" if bad else "\nall ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
