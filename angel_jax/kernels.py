@@ -2,7 +2,7 @@
 Pallas Mosaic GPU kernels or tokamax's), flash attention blocks for ring attention (cuDNN's
 or tokamax's), or XLA's own ops.
 
-Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/results/grouped_gemm.json),
+Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/grouped_gemm.py),
 forward / forward + backward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels
 (`ragged_dot_mgpu` for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 686 / 645,
 tokamax 0.0.17's 320 / 261, a dense cuBLAS matmul of the same FLOPs 775 / 692,
@@ -11,7 +11,7 @@ Ring attention's blocks need the log-sum-exp out of the forward and a backward t
 ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward
 primitive's softmax statistics, its backward primitive given those residuals); tokamax's
 Mosaic GPU flash kernels too, at 0.81-0.92 of cuDNN's TFLOP/s forward + backward
-(attention_kernels.json).
+(experiments/attention_kernels.py).
 Elsewhere (CPU, other GPUs, Python 3.11, float32) the XLA ops run; `config.model.moe_kernel`
 (auto | jax_pallas | tokamax | xla) and `config.model.ring_blocks` (auto | cudnn | tokamax |
 xla) choose, and `choose` says why auto fell back.
@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from angel_jax import machine
 from angel_jax.config import MOE_KERNELS, RING_KERNELS, ConfigError
 
 F32 = jnp.float32
@@ -34,8 +35,8 @@ _HOPPER = "9.0"
 @functools.cache
 def tokamax_missing() -> str | None:
     """Why tokamax's Mosaic GPU kernels cannot run here, or None if they can."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()})"
+    if machine.backend() != "gpu":
+        return f"no GPU (backend {machine.backend()})"
     capability = getattr(jax.devices()[0], "compute_capability", "?")
     if capability not in _MOSAIC_GPUS:
         return f"compute capability {capability} (its kernels need sm90 or sm100)"
@@ -49,8 +50,8 @@ def tokamax_missing() -> str | None:
 @functools.cache
 def jax_pallas_missing() -> str | None:
     """Why JAX's Hopper grouped GEMMs cannot run here, or None if they can."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()})"
+    if machine.backend() != "gpu":
+        return f"no GPU (backend {machine.backend()})"
     capability = getattr(jax.devices()[0], "compute_capability", "?")
     if capability != _HOPPER:
         return f"compute capability {capability} (its kernels are Hopper's, sm90)"
@@ -67,8 +68,8 @@ def jax_pallas_missing() -> str | None:
 @functools.cache
 def cudnn_missing() -> str | None:
     """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()})"
+    if machine.backend() != "gpu":
+        return f"no GPU (backend {machine.backend()})"
     try:
         fused = _cudnn_attention()
         fused.check_cudnn_version()
@@ -120,7 +121,7 @@ def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
         if missing[kernel] is None:
             return kernel, None
     note = None
-    if jax.default_backend() == "gpu":
+    if machine.backend() == "gpu":
         why = "; ".join(f"{k}: {missing[k]}" for k in libraries)
         note = f"config.model.{setting}=auto runs XLA's kernel, not a library's ({why})"
     return "xla", note
@@ -152,8 +153,9 @@ def _ragged_dot(x_MK, w_GKN, sizes_G, kernel: str):
 
 
 # Tiles of JAX's Hopper grouped GEMMs, the fastest of a sweep at moe_1b's shapes on an H200
-# (grouped_gemm_tiles.json): 192 x 128 output tiles for the forward and dX (650-670 TFLOP/s; 128 x
-# 128 ran 620-630, 128 x 256 and 256 x 128 under 200), 128 x 128 for dW (675-680).
+# (experiments/grouped_gemm.py): 192 x 128 output tiles for the forward and dX (650-670
+# TFLOP/s; 128 x 128 ran 620-630, 128 x 256 and 256 x 128 under 200), 128 x 128 for dW
+# (675-680).
 _ROWS_TILE = dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 _WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 
@@ -161,7 +163,7 @@ _WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=
 # Each kernel under its own jit: a program with unrolled layers then lowers each kernel once
 # and calls it from every layer (JAX caches a jit's lowering within a module); inline, the
 # Mosaic GPU lowering ran again for every call (moe_1b unrolled had not compiled and run its
-# first steps in 280 s on an H200; so it compiles in 51 s, moe_throughput_1gpu_unrolled.json).
+# first steps in 280 s on an H200; so it compiles in 51 s).
 @functools.partial(jax.jit, static_argnames="transpose_rhs")
 def _rows_kernel(x_MK, w_GKN, sizes_G, transpose_rhs=False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -313,8 +315,7 @@ def _cudnn_settings(fused, q, causal: bool) -> dict:
     shard_map, with nothing to partition. The operands it does without are zero-size slices
     of q, not constants: with `jnp.zeros(0)` in their place (what JAX's public attention
     passes) XLA (jax 0.11.2) crashed compiling the two-GPU ring step of a scanned layer stack,
-    in Shardy's ManualComputationUnusedInputsPattern; with the slices it compiles
-    (experiments/results/two_gpu_compiled_ring_blocks.log)."""
+    in Shardy's ManualComputationUnusedInputsPattern; with the slices it compiles."""
     mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
     unused = q.reshape(-1)[:0]
     return dict(

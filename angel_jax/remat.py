@@ -37,7 +37,7 @@ def flash_attention_saveable(prim, *_, **params) -> bool:
     """The attention's forward results: cuDNN flash attention's output and softmax statistics
     (its forward primitive as JAX's public attention binds it), or the ring's merged ones.
     Without them the backward pass runs the forward again (9 of 241 ms of a llama_1b step on
-    an H200, experiments/results/profile_llama_1b_dots_no_batch.json; at long context most of
+    an H200; at long context most of
     a full-remat step's recompute). The ring's cuDNN blocks bind the core primitive: their
     per-block results are not kept, the merged ones are."""
     if prim.name == "name":
@@ -124,7 +124,7 @@ REMATS = {
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
 # What config.model.remat=auto tries (`auto_order`): the pipeline's policies. Not none: on
 # the H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.4k
-# tokens/s at twice the memory, experiments/results/throughput_llama_1b_2026-11-29.json), its
+# tokens/s at twice the memory), its
 # memory traffic costing more than the recompute it spares.
 AUTO_REMATS = STAGE_REMATS
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from angel_jax import sharding
+from angel_jax import dispatch, machine, sharding
 from angel_jax.config import ConfigError
 from angel_jax.data.objectives import row_width
 from angel_jax.monitor import is_anomalous, skip_if_anomalous
@@ -66,7 +66,7 @@ class _Step:
     @property
     def checks_compiled(self) -> bool:
         """Whether `compile` checks the program against the plan (see there)."""
-        return jax.default_backend() != "cpu" or self.exp.config.offload.device_gib <= 0
+        return machine.backend() != "cpu" or self.exp.config.offload.device_gib <= 0
 
     def settle(self, state: TrainState) -> TrainState:
         """`state` with any update still waiting applied (`OffloadedStep`'s delayed update)."""
@@ -383,6 +383,7 @@ class OffloadedStep(_Offloaded):
         microbatch = self.program  # Checked against the plan.
         sums = self._zero_sums()
         for j in range(self.exp.config.train.microbatches):
+            dispatch.mark(dispatch.MICROBATCH)
             sums = microbatch(compute_params, batch_BT1, layer_index(self.exp.mesh, j), sums)
             between(j)
         step, scale, metrics = self.finish_program(step, sums)
@@ -481,7 +482,7 @@ class InStepUpdate(_Offloaded):
     program (`stream.update_in_step`), one program a step. With the layers unrolled, XLA
     compiles each chunk's host copies as asynchronous copies (copy-start/copy-done) that its
     scheduler may run beside the compute, where a scanned layer's copies are synchronous
-    (`fused_update_probe_unrolled.json`, README "Update inside the step"). A chunk's update
+    (experiments/fused_update_probe.py, README "Update inside the step"). A chunk's update
     waits for its grad, and for the global grad norm when it clips (config.train.grad_clip) or
     skips anomalous steps (config.monitor.on_anomaly=skip), unless it speculates
     (config.offload.speculative_update): then every chunk is updated as if the step neither

@@ -18,7 +18,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 
-from angel_jax import sharding
+from angel_jax import machine, sharding
 from angel_jax.config import objective
 from angel_jax.grads import Gradients
 from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
@@ -379,7 +379,7 @@ def _build(
         validate(config)
     rules = sharding.axis_rules(config, mesh)
     family = family_of(config.model)
-    model_config = family.make_config(config.model, jax.default_backend())
+    model_config = family.make_config(config.model, machine.backend())
     fp8 = dict(
         fp8_matmul=config.fp8.matmul,
         # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.

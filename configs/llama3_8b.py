@@ -2,16 +2,12 @@
 
     python -m angel_jax.launch --config configs/llama3_8b.py --workdir /tmp/angel-8b
 
-Sized for two or more H200s with ZeRO-3 and 4 microbatches; the remat policy is the planner's
-pick (the fastest that fits, checked against the compiled step). On two H200s remat full ran
-at 15.8k tokens/s, MFU 0.411, 84.8 GiB per GPU (experiments/results/
-throughput_llama3_8b_2gpu_zero3.json); with dots_no_batch the compiled step needs 133.7 GiB a
-GPU and is refused before allocation. One H200 trains it with the fp32 masters and AdamW state
-(96 GB) in host memory, as measured in experiments/results/offload_throughput.json (with
-remat dots_no_batch, the config's then): --config.offload.policy=optimizer
---config.zero_stage=1 --config.train.microbatches=8. At 16 x 8192 tokens in 16 microbatches
-with --config.offload.policy=auto the planner picks dots_attention: 0.478 MFU
-(experiments/results/offload_8b_128k_remat_auto.json).
+Sized for two or more GPUs with ZeRO-3 and 4 microbatches; the remat policy is the planner's
+pick (the fastest that fits, checked against the compiled step): with dots_no_batch the
+compiled step needs 133.7 GiB a GPU and is refused before allocation. One GPU trains it with
+the fp32 masters and AdamW state in host memory: --config.offload.policy=auto
+--config.zero_stage=1 (experiments/recipes.py's `offload_8b_1m` and `offload_8b_128k`, their
+records in experiments/RESULTS.md).
 """
 
 from angel_jax.config import default_config

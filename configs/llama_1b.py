@@ -19,7 +19,7 @@ def get_config():
         ffn_dim=5632,
         vocab_size=32000,
         # Saving weight matmuls' outputs beat no remat on one H200 (68.4k vs 62.3k tok/s, 30 vs
-        # 65 GiB peak; experiments/results/throughput_llama_1b_2026-11-29.json); also saving
+        # 65 GiB peak); also saving
         # cuDNN attention's forward spares the backward pass its rerun (9 ms of a 241 ms step,
         # profile_step.py).
         remat="dots_attention",

@@ -207,7 +207,7 @@ def main():
     p.add_argument("--pool-gib", type=float, default=132.81)  # BFC's at 0.95 on the H200.
     p.add_argument("--temps-gib", type=float, default=37.51)  # The failed allocation's.
     p.add_argument("--compiled-under-gib", type=float, default=10.5)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/allocator_model_8b.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/allocator_model_8b.json"))
     args = p.parse_args()
     from throughput import write_results
 

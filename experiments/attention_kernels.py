@@ -142,7 +142,7 @@ def main() -> int:
     p.add_argument("--shapes", default="2048:64,8192:64,32768:64,8192:128")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/attention_kernels.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/attention_kernels.json"))
     p.add_argument("--blocks", default="cudnn,tokamax", help="ring block kernels to time")
     p.add_argument("--vjp-configs", action="store_true", help="sweep tokamax's backward configs")
     args = p.parse_args()

@@ -23,6 +23,7 @@ when they are not yet), and a copy of ../shared/baselines as `.baselines` for th
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import pathlib
@@ -86,10 +87,10 @@ def load(path: pathlib.Path) -> dict | None:
 
 
 def install_wheels() -> None:
-    """The GPU machine lacks some packages: install the carried wheels once (gpu_job.sh's
-    setup) and hand them to every child."""
+    """The GPU machine lacks some packages: install the carried wheels (gpu_job.sh's setup)
+    where they are missing, and hand them to every child."""
     site = pathlib.Path("/tmp/site")
-    if (ROOT / ".whl").is_dir() and not (site / "ml_collections").exists():
+    if importlib.util.find_spec("ml_collections") is None and (ROOT / ".whl").is_dir():
         print("installing .whl/ into /tmp/site", flush=True)
         setup = f"source {ROOT}/experiments/gpu_job.sh && setup"
         subprocess.run(["bash", "-c", setup], check=True, env={**os.environ, "OUT": "/tmp"})
@@ -158,7 +159,7 @@ def run_recipe(recipe: Recipe, kind: str, args, before: dict | None) -> dict:
     try:
         if not written:
             raise Failed(f"exit {code}, no results written (log: {recipe.name}.{kind}.log)")
-        record["metrics"] = recipe.metrics(written["results"], kind)
+        record["metrics"] = recipe.metrics(written["results"])
     except Failed as e:
         record.update(status="failed", error=str(e))
         if before and before.get("metrics"):

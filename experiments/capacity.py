@@ -171,7 +171,7 @@ def main() -> int:
     p.add_argument("--ssd-gib", type=float, default=0.0, help="SSD budget; 0: free space")
     p.add_argument("--ssd-compress", action="store_true", help="optimizer state in bf16 on disk")
     p.add_argument("--only", default="", help="e.g. adamw/optimizer")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/capacity.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/capacity.json"))
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--search", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -1,7 +1,7 @@
 """Accuracy of the cheaper-communication and FP8 switches: `configs/tiny.py` on the default corpus
 for --steps steps per variant, against the bf16 run, on 8 devices (emulated on a CPU).
 
-    python experiments/fp8_accuracy.py [--steps 400] [--out experiments/results/fp8_accuracy.json]
+    python experiments/fp8_accuracy.py [--steps 400] [--out runs/experiments/fp8_accuracy.json]
 
 Variants: bf16 (ZeRO-3), FP8 matmuls, FP8 ZeRO-3 collectives, both, and PowerSGD (ranks 4 and
 16 from step 100 of 400, plain data parallel, against its own uncompressed run). The final
@@ -63,7 +63,7 @@ def final_loss(metrics: list[dict]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/fp8_accuracy.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/fp8_accuracy.json"))
     p.add_argument("--cache", default="/tmp/fp8_accuracy", help="finished runs' metrics")
     a = p.parse_args()
     os.environ["XLA_FLAGS"] = DEVICES  # The record's machine: the 8 devices the runs used.

@@ -24,7 +24,7 @@ def fixed_scale(x, dtype, axis_name=None):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="16384,4096,14336", help="tokens, input width, output width")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/fp8_gemm.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/fp8_gemm.json"))
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
     import jax

@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--config", default=str(ROOT / "configs/llama_1b.py"))
     p.add_argument("--devices", type=int, default=1, help="data axis size (ZeRO-3 when > 1)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/fp8_throughput.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/fp8_throughput.json"))
     p.add_argument("--only", default="", help="comma-separated variant names to run")
     p.add_argument("overrides", nargs="*", help="config overrides for every variant, after --")
     a = p.parse_args()

@@ -265,7 +265,7 @@ def main() -> int:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/fused_update_probe.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/fused_update_probe.json"))
     p.add_argument(
         "--trace",
         action="store_true",

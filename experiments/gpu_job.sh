@@ -6,9 +6,9 @@
 # stops a slow child process so that its parent still writes its JSON (a child cut short is
 # recorded as timed out). Results go to $OUT/<name>.json through the scripts' --out flags,
 # everything printed to $OUT/<name>.log; at most 8 files come back from $OUT, so a run that
-# leaves more packs all but its JSONs and logs into $OUT/run<RUN>_extras.tar.gz. Copy what
-# comes back into experiments/results/ (the JSONs hold the command, the machine and the
-# versions).
+# leaves more packs all but its JSONs and logs into $OUT/run<RUN>_extras.tar.gz (the JSONs
+# hold the command, the machine and the versions). The headline records are not made here:
+# experiments/bench.py re-runs them and keeps them in experiments/records/.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 EXP=$ROOT/experiments

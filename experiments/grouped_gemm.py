@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--autotune", action="store_true", help="also time tokamax autotuned")
     p.add_argument("--tiles", action="store_true", help="sweep JAX's kernels' tiles instead")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/grouped_gemm.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/grouped_gemm.json"))
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
     import jax

@@ -152,7 +152,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--params", type=int, default=2**28)
     p.add_argument("--threads", default="1,4,8,12")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/host_update_rate.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/host_update_rate.json"))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--transfers", action="store_true", help="the copies' rates instead")
     a = p.parse_args()

@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/long_context.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/long_context.json"))
     args = p.parse_args()
     results, length, devices = [], args.start, args.context * args.sequence
     while length <= args.max:

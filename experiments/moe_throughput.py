@@ -85,7 +85,7 @@ def main() -> int:
     )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("overrides", nargs="*", help="config overrides for every run, after --")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/moe_throughput.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/moe_throughput.json"))
     a = p.parse_args()
     runs = moe_runs(
         a.expert, a.batch_per_device, a.routers, a.dispatch_chunks, a.moe_kernels, a.overrides

@@ -1,7 +1,7 @@
 """Multi-controller training on one machine's two GPUs: one process per GPU against one process
 driving both, with a crash and a resume in between. Not yet run (written without a GPU).
 
-    python experiments/multiprocess.py [--out experiments/results/multiprocess_2gpu.json]
+    python experiments/multiprocess.py [--out runs/experiments/multiprocess_2gpu.json]
 
 1. `one process`: one process, both GPUs, data=2; trains --steps steps uninterrupted.
 2. `two processes`: a process per GPU (CUDA_VISIBLE_DEVICES), joined through
@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=10, help="checkpoint interval")
     p.add_argument("--crash-at", type=int, default=27, help="both processes die before this step")
     p.add_argument("--workdir", default="/tmp/angel_multiprocess")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/multiprocess_2gpu.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/multiprocess_2gpu.json"))
     args = p.parse_args()
 
     work = pathlib.Path(args.workdir)

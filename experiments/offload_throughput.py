@@ -1,6 +1,6 @@
 """ZeRO-Cache offload on one GPU: step time, memory and losses per policy, in one job.
 
-    python experiments/offload_throughput.py [--out experiments/results/offload_throughput.json]
+    python experiments/offload_throughput.py [--out runs/experiments/offload_throughput.json]
 
 Every run checks that the offloaded policy gives the same losses as `none` on the same data
 (XLA has had wrong-gradient bugs in offloaded programs on GPU), and reports the peak device
@@ -378,7 +378,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/offload_throughput.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/offload_throughput.json"))
     p.add_argument(
         "--only",
         default="",

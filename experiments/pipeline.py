@@ -1,7 +1,7 @@
 """Pipeline parallelism on two GPUs: `llama_1b` with pipeline=2 beside data parallel, the
 measured bubble beside theory, and the balanced layer split beside others.
 
-    python experiments/pipeline.py [--steps 5] [--out experiments/results/pipeline.json]
+    python experiments/pipeline.py [--steps 5] [--out runs/experiments/pipeline.json]
 
 Every run is a child process (experiments/throughput.py's worker) with a clean GPU; this
 process imports JAX only after the last child, for the planner's predictions.
@@ -107,7 +107,7 @@ def main() -> int:
     p.add_argument(
         "--only", default="", help="comma-separated groups (throughput,bubble,balance) or runs"
     )
-    p.add_argument("--out", default=str(ROOT / "experiments/results/pipeline.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/pipeline.json"))
     a = p.parse_args()
     only = set(filter(None, a.only.split(",")))
     results = []

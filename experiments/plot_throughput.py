@@ -1,6 +1,6 @@
 """Bar charts of tokens/s and MFU per system from benchmark results, one row per result file.
 
-    python experiments/plot_throughput.py [RESULTS.json ...] [--out experiments/results/x.png]
+    python experiments/plot_throughput.py [RESULTS.json ...] [--out runs/experiments/x.png]
 
 Reads the JSON that experiments/throughput.py, fp8_throughput.py, pipeline.py and
 offload_throughput.py write (needs matplotlib, from requirements-dev.txt). Each file is one
@@ -20,9 +20,9 @@ def main() -> int:
     p.add_argument(
         "results",
         nargs="*",
-        default=[str(ROOT / "experiments/results/throughput_llama_1b.json")],
+        default=[str(ROOT / "runs/experiments/throughput_llama_1b.json")],
     )
-    p.add_argument("--out", default=str(ROOT / "experiments/results/throughput.png"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/throughput.png"))
     args = p.parse_args()
     import matplotlib
 

@@ -2,7 +2,7 @@
 kernel, with the top HLO ops and the JAX code each comes from.
 
     python experiments/profile_step.py [--config configs/llama_1b.py] [--steps 3] [--warmup 3] \
-        [--out experiments/results/profile_llama_1b.json] [-- --config.train.batch_size=16 ...]
+        [--out runs/experiments/profile_llama_1b.json] [-- --config.train.batch_size=16 ...]
 
 Writes the table, a JSON summary (`--out`), and beside it the optimized HLO (`.hlo.txt.gz`), the
 Perfetto trace (`.trace.json.gz`, open it in ui.perfetto.dev) and a condensed time line of it
@@ -329,7 +329,7 @@ def main() -> int:
         help="trace the step the loop runs by default, which skips anomalous steps "
         "(config.monitor.on_anomaly=skip; no loss ceiling), not the unguarded one",
     )
-    p.add_argument("--out", default=str(ROOT / "experiments/results/profile_llama_1b.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/profile_llama_1b.json"))
     p.add_argument("overrides", nargs="*", help="config overrides, after --")
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))

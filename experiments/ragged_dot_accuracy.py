@@ -1,7 +1,7 @@
 """Grouped GEMM gradients against float32: tokamax's Mosaic GPU kernel and `lax.ragged_dot`,
 random group sizes and sizes aligned to 128 and 64 rows, at a small shape and at `moe_1b`'s
 expert shape (98,304 x 2048 -> 1408, 16 groups). Prints each one's relative error of dX and dW
-and tokamax's forward + backward TFLOP/s (experiments/results/ragged_dot_accuracy.log).
+and tokamax's forward + backward TFLOP/s (a log of its own).
 
     python experiments/ragged_dot_accuracy.py      # on a GPU with tokamax
 """

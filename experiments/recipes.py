@@ -232,8 +232,10 @@ RECIPES = [
         {"h100": 200, "h200": 200},
         _moe,
         ("x dense twin",),
-        goals={"h200": {"planned / peak": (0.9, 1.1)}},
-        kind_args={"h100": ("--batch-per-device", "4"), "h200": ("--batch-per-device", "8")},
+        # The planner's device estimate within 10% of what the step used.
+        goals={k: {"planned / peak": (0.9, 1.1)} for k in KINDS},
+        # The largest batches that fit, as planned and compiled for each GPU.
+        kind_args={"h100": ("--batch-per-device", "6"), "h200": ("--batch-per-device", "8")},
     ),
     Recipe(
         "long_context_262k",
@@ -263,6 +265,8 @@ RECIPES = [
         _offload_8b_1m,
         ("tokens/s",),
         goals={"h200": {"tokens/s": (12500, None)}},
+        # The pinned-host pool cap the plan prints for this run (tiers.pool_advice).
+        env={"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "93"},
         unfit={"h100": _NO_8B_1M},
     ),
     Recipe(

@@ -1,7 +1,7 @@
 """config.model.remat=auto against remat set by hand, on one GPU, in one job: which policy the
 planner picks as the batch grows, whether its step fits, and its speed beside the others.
 
-    python experiments/remat_auto.py [--batches 48,56] [--out experiments/results/remat_auto.json]
+    python experiments/remat_auto.py [--batches 48,56] [--out runs/experiments/remat_auto.json]
 
 Each run is `llama_1b` (no offload) in its own process; a remat whose plan or compiled step
 does not fit is recorded as refused (before anything is allocated). The anomaly guard is off
@@ -24,7 +24,7 @@ def main() -> int:
     p.add_argument("--remats", default=",".join(REMATS), help="comma-separated remat settings")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/remat_auto.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/remat_auto.json"))
     a = p.parse_args()
     results = []
     for batch in map(int, a.batches.split(",")):

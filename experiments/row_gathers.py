@@ -53,7 +53,7 @@ SUMMED = {
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/row_gathers.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/row_gathers.json"))
     a = p.parse_args()
     jax.config.update("jax_enable_x64", True)  # For the 64-bit words.
     key = jax.random.key(0)

@@ -69,7 +69,7 @@ def named_runs(n: int, config: str) -> list[tuple[str, str, list[str]]]:
                 "--config.zero_stage=1",
                 # cuDNN's partitioner fails with data split too (stage_plan.py); XLA's
                 # attention keeps (T, T) scores: at n = 2 its step needed 157.6 GiB a GPU,
-                # with cuDNN's 123.4 (compiled for two H200s, two_gpu_compiled_pipeline.log).
+                # with cuDNN's 123.4 (compiled for two H200s, two_gpu_compiled.py).
                 *(["--config.model.attention=xla"] if n > 2 else []),
             ],
         ),
@@ -160,7 +160,7 @@ def main() -> int:
         default="default",
         help=f"comma-separated settings for the weak runs past one GPU: {', '.join(COLLECTIVES)}",
     )
-    p.add_argument("--out", default=str(ROOT / "experiments/results/scaling.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/scaling.json"))
     a = p.parse_args()
     a.config = str(pathlib.Path(a.config).resolve())  # The children run in the repository root.
     counts = [int(x) for x in a.gpus.split(",")]

@@ -1,6 +1,6 @@
 """Tokens/s and MFU of angel-jax beside the peer baselines, in one GPU job.
 
-    python experiments/throughput.py --baselines BASELINE_DIR [--out experiments/results/x.json]
+    python experiments/throughput.py --baselines BASELINE_DIR [--out runs/experiments/x.json]
     python experiments/throughput.py --sweep [--only NAMES] [-- --config.mesh.data=2 ...]
 
 Each system runs in its own process (a clean GPU each), on the same shape with random tokens;
@@ -17,6 +17,7 @@ update's allocations between them (`trace_dispatch_memory`).
 
 import argparse
 import collections
+import contextlib
 import datetime
 import functools
 import gzip
@@ -164,31 +165,35 @@ def child(config_path: str, overrides: list[str], steps: int, warmup: int) -> di
             compiled["compiled_for_devices"] = compile_for
             compiled["compiled_for"] = devices[0].device_kind
         return dict(fits=True, batch=t.batch_size, seq=t.seq_len, **plan, **compiled)
-    traced = trace_dispatch_memory(exp) if os.environ.get("TRACE_DISPATCH_MEMORY") else None
-    state = exp.init_state()
-    batches = make_batches(config).iterate(0)
-    warmup_losses = []  # Same data every run: lets variants be checked against each other.
-    for _ in range(warmup):
-        state, metrics = train_step(state, exp.global_batch(next(batches)))
-        warmup_losses.append(float(metrics["loss"]))
-    start = time.perf_counter()
-    # When each step's call returned (host time, device work not waited for): a step that
-    # stalls the host (a pinned-pool growth, a blocked dispatch) stands out among them.
-    returned_s, redone, speculated = [], [], []
-    for _ in range(steps):
-        state, metrics = train_step(state, exp.global_batch(next(batches)))
-        returned_s.append(time.perf_counter() - start)
-        if "update_redone" in metrics:  # config.offload.speculative_update: made again?
-            redone.append(int(metrics["update_redone"]))
-            speculated.append(int(metrics["speculated"]))
-    jax.block_until_ready((state, metrics))
-    step_s = (time.perf_counter() - start) / max(steps, 1)
-    try:
-        breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
-    except jax.errors.JaxRuntimeError as e:  # The timed steps stand; the step after them not.
-        if steps == 0:
-            raise
-        breakdown = {"breakdown_error": str(e).splitlines()[0]}
+    traced = []  # The allocator at each dispatch, with TRACE_DISPATCH_MEMORY.
+    tracing = (
+        trace_dispatch_memory(exp, traced) if os.environ.get("TRACE_DISPATCH_MEMORY") else None
+    )
+    with tracing or contextlib.nullcontext():
+        state = exp.init_state()
+        batches = make_batches(config).iterate(0)
+        warmup_losses = []  # Same data every run: lets variants be checked against each other.
+        for _ in range(warmup):
+            state, metrics = train_step(state, exp.global_batch(next(batches)))
+            warmup_losses.append(float(metrics["loss"]))
+        start = time.perf_counter()
+        # When each step's call returned (host time, device work not waited for): a step that
+        # stalls the host (a pinned-pool growth, a blocked dispatch) stands out among them.
+        returned_s, redone, speculated = [], [], []
+        for _ in range(steps):
+            state, metrics = train_step(state, exp.global_batch(next(batches)))
+            returned_s.append(time.perf_counter() - start)
+            if "update_redone" in metrics:  # config.offload.speculative_update: made again?
+                redone.append(int(metrics["update_redone"]))
+                speculated.append(int(metrics["speculated"]))
+        jax.block_until_ready((state, metrics))
+        step_s = (time.perf_counter() - start) / max(steps, 1)
+        try:
+            breakdown = offload_breakdown(exp, state, exp.global_batch(next(batches)))
+        except jax.errors.JaxRuntimeError as e:  # The timed steps stand; the step after them not.
+            if steps == 0:
+                raise
+            breakdown = {"breakdown_error": str(e).splitlines()[0]}
     if speculated:  # The speculative update: the exact program if every step clipped.
         program = exp.steps.program_that_ran(speculated)
     compiled = program_report(program, overrides)
@@ -258,9 +263,9 @@ def compile_only_devices(n: int) -> list:
     for n GPUs compiles here from shapes, and nothing of it runs. On a GPU machine they are of
     its GPU's kind. On one without a GPU they are of the kind GPU_TARGET_CONFIG describes (an
     XLA GPU target description, e.g. experiments/gpu_targets/h200.txtpb; JAX's CUDA plugin
-    installed, JAX_PLATFORMS=cpu), and the trainer plans and picks kernels as on that GPU:
-    `jax.default_backend` answers gpu, and the host memory the planner finds is GPU_HOST_GIB
-    (the GPU machine's; the device's budget is config.offload.device_gib)."""
+    installed, JAX_PLATFORMS=cpu), and the trainer plans and picks kernels as on that GPU
+    (`angel_jax.machine.describe`), with GPU_HOST_GIB of host memory (the GPU machine's; the
+    device's budget is config.offload.device_gib)."""
     import jax
     from jax.experimental import topologies
 
@@ -273,7 +278,7 @@ def compile_only_devices(n: int) -> list:
                 f"this backend is {jax.default_backend()}: run it on a GPU machine, or set "
                 "GPU_TARGET_CONFIG to a GPU's target description (experiments/gpu_targets/)"
             )
-        from angel_jax.offload import tiers
+        from angel_jax import machine
 
         host_gib = float(os.environ.get("GPU_HOST_GIB") or 0)
         if host_gib <= 0:
@@ -282,8 +287,7 @@ def compile_only_devices(n: int) -> list:
                 "(GiB; about 120 on the H200 machine), else the plan takes this machine's"
             )
         described["target_config"] = pathlib.Path(target).read_text()
-        jax.default_backend = lambda: "gpu"  # The programs are for the described GPU.
-        tiers._host_available = lambda: int(host_gib * 2**30)
+        machine.describe("gpu", int(host_gib * 2**30))  # The programs are for that GPU.
     topology = topologies.get_topology_desc(
         "compile-only", "cuda", topology=f"1x1x{n}", **described
     )
@@ -425,50 +429,29 @@ def collective_schedule(hlo_text: str) -> dict:
     return out
 
 
-def trace_dispatch_memory(exp) -> list[tuple[str, int, int]]:
-    """(call, bytes in use, largest free block) of the device allocator at each of an offloaded
-    step's programs' dispatches (a microbatch's, or a group of the streamed update's) and after
-    each group's fetch (the update's allocations between them are those and its programs'
-    outputs), from here on; each also printed to stderr as it comes, so that a run that dies
-    out of memory leaves them in its log. The allocator's view at a dispatch is the host's
-    (PJRT allocates then, and frees a program's temporaries as soon as it is queued): a
-    microbatch's temporaries need one block of their size, so a largest free block below them
-    with the bytes in use within the plan is a fragmented pool, not a plan overrun, and a
-    fetch after which the largest free block shrank took its arrays from the block the
-    temporaries left."""
-    device, out = exp.mesh.devices.flat[0], []
+def trace_dispatch_memory(exp, out: list) -> contextlib.AbstractContextManager:
+    """Inside it, (point, bytes in use, largest free block) of the device allocator are
+    appended to `out` at each of an offloaded step's dispatches (a microbatch's program, a
+    group of the streamed update: `angel_jax.dispatch`) and after each group's fetch (the
+    update's allocations between them are those and its programs' outputs); each also printed
+    to stderr as it comes, so that a run that dies out of memory leaves them in its log. The
+    allocator's view at a dispatch is the host's (PJRT allocates then, and frees a program's
+    temporaries as soon as it is queued): a microbatch's temporaries need one block of their
+    size, so a largest free block below them with the bytes in use within the plan is a
+    fragmented pool, not a plan overrun, and a fetch after which the largest free block shrank
+    took its arrays from the block the temporaries left."""
+    from angel_jax import dispatch
 
-    def record(name):
+    device = exp.mesh.devices.flat[0]
+
+    def record(point):
         stats = device.memory_stats() or {}
-        row = (name, stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", 0))
+        row = (point, stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", 0))
         out.append(row)
         used, free = (f"{b / 2**30:.2f} GiB" for b in row[1:])
-        print(f"allocator at {name}: in use {used}, largest free block {free}", file=sys.stderr)
+        print(f"allocator at {point}: in use {used}, largest free block {free}", file=sys.stderr)
 
-    def before(name, fn):
-        def call(*args, **kwargs):
-            record(name)
-            return fn(*args, **kwargs)
-
-        return call
-
-    def after(name, fn):
-        def call(*args, **kwargs):
-            result = fn(*args, **kwargs)
-            record(name)
-            return result
-
-        return call
-
-    steps = exp.steps
-    if getattr(steps, "between_microbatches", False):
-        steps.program = before("microbatch", steps.program)  # `_microbatched` reads it.
-    update = exp.streamed_update
-    if update is not None:
-        fn = update._fn
-        update._fn = lambda ks, *args: before("update group", fn(ks, *args))
-        update._fetch = after("after fetch group", update._fetch)
-    return out
+    return dispatch.listening(record)
 
 
 def summarize_dispatch_memory(traced: list) -> dict:
@@ -637,7 +620,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated variant names to run")
     p.add_argument("--sweep", action="store_true", help="run the SWEEP settings, no baselines")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/throughput_llama_1b.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/throughput_llama_1b.json"))
     p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides for every run of ours, after --")
     args = p.parse_args()

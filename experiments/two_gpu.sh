@@ -6,8 +6,7 @@
 #     bash experiments/two_gpu.sh setup                   # only the wheels (every run does it
 #                                                         # first on a fresh machine)
 #
-# Each run keeps its whole call under ~560 s (experiments/gpu_job.sh says how); copy what comes
-# back into experiments/results/.
+# Each run keeps its whole call under ~560 s (experiments/gpu_job.sh says how).
 # Expected seconds are estimates from the 2026-11-30 two-GPU jobs (a llama_1b child ~30 s).
 #
 # 1  (item 1, scaling 1 -> 2 GPUs, llama_1b, ZeRO-3, same per-GPU batch 8): the two-GPU

@@ -121,7 +121,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated runs of two_gpu.sh (1, 2a, ..., 6)")
     p.add_argument("--jobs", type=int, default=4, help="children compiling at once")
-    p.add_argument("--out", default=str(ROOT / "experiments/results/two_gpu_compiled.json"))
+    p.add_argument("--out", default=str(ROOT / "runs/experiments/two_gpu_compiled.json"))
     p.add_argument("--hlo-dir", default="/tmp/two_gpu_compiled_hlo")
     a = p.parse_args()
     todo = selected(a.only)

@@ -355,8 +355,8 @@ BREAKS = [
     (
         "compiled memory not checked on a CPU",
         "angel_jax/steps.py",
-        'return jax.default_backend() != "cpu" or self.exp.config.offload.device_gib <= 0',
-        'return jax.default_backend() != "cpu"',
+        'return machine.backend() != "cpu" or self.exp.config.offload.device_gib <= 0',
+        'return machine.backend() != "cpu"',
         [
             "tests/test_errors.py::test_cpu_plan_is_checked_against_the_compiled_step_before_allocating"
         ],

@@ -46,6 +46,8 @@ def test_only_models_and_interop_import_a_family():
     [
         ("family.py", set()),
         ("remat.py", set()),
+        ("dispatch.py", set()),
+        ("machine.py", set()),
         ("memory.py", {"angel_jax.remat"}),
         ("config.py", {"angel_jax.remat"}),
         ("mesh.py", {"angel_jax.config"}),

@@ -351,10 +351,11 @@ def test_dispatch_memory_is_recorded_at_each_dispatch_and_allocation_between_mic
     )
     exp = build(config, make_mesh(config.mesh))
     assert exp.steps.between_microbatches
-    rows = throughput.trace_dispatch_memory(exp)
+    rows = []
     state = exp.init_state()
-    for batch in make_batches(config)[:2]:  # The second step runs the first's update.
-        state, _ = exp.train_step(state, exp.global_batch(batch))
+    with throughput.trace_dispatch_memory(exp, rows):
+        for batch in make_batches(config)[:2]:  # The second step runs the first's update.
+            state, _ = exp.train_step(state, exp.global_batch(batch))
     groups = len(exp.streamed_update.groups)
     assert collections.Counter(name for name, _, _ in rows) == {
         "microbatch": 8,
@@ -389,20 +390,15 @@ def test_the_allocator_model_takes_the_best_fit_and_merges_freed_neighbours():
         pool.alloc("f", 500 * mib)
 
 
-def test_the_one_gpu_runs_name_offload_throughputs_variants(tmp_path):
-    """`one_gpu.sh`'s runs of `offload_throughput.py` select by exact name (`--only
-    "=NAME;..."`): each name is one of its variants, so a renamed variant fails here, not on
-    the GPU; every script a run calls exists."""
-    import offload_throughput
-
+def test_the_one_gpu_runs_call_scripts_that_exist(tmp_path):
+    """Every script `one_gpu.sh`'s runs call exists, so a renamed one fails here, not on the
+    GPU."""
     argv = tmp_path / "argv"
     python = tmp_path / "python"  # Records each call's arguments instead of running anything.
     python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" "--end--" >> {argv}\n')
     python.chmod(0o755)
     env = dict(os.environ, PYTHON=str(python), OUT=str(tmp_path / "out"), GPU_JOB_SKIP_SETUP="1")
     script = throughput.ROOT / "experiments/one_gpu.sh"
-    names = {v[0] for v in offload_throughput.VARIANTS}
-    throughput_runs = 0
     for label in set(re.findall(r"^(\w+)\)$", script.read_text(), re.M)) - {"setup"}:
         argv.write_text("")
         subprocess.run(["bash", str(script), label], env=env, check=True, capture_output=True)
@@ -410,12 +406,6 @@ def test_the_one_gpu_runs_name_offload_throughputs_variants(tmp_path):
         assert calls, label
         for args in calls:
             assert (throughput.ROOT / "experiments" / args[0]).is_file(), (label, args)
-            if args[0] != "offload_throughput.py":
-                continue
-            throughput_runs += 1
-            picked = args[args.index("--only") + 1].split(";")
-            assert picked and all(p[:1] == "=" and p[1:] in names for p in picked), (label, picked)
-    assert throughput_runs >= 2
 
 
 def test_an_offloaded_child_reports_its_update(monkeypatch):

@@ -3,7 +3,7 @@ handling of rows past its groups, and, on a GPU, the library kernels against XLA
 
 The library tests need their Mosaic GPU kernels (JAX's grouped GEMMs: a Hopper GPU; tokamax's:
 sm90/sm100 and Python >= 3.12): elsewhere they are skipped with the reason (`pytest -rs` lists
-it). They ran on an H200 (experiments/results/test_kernels_gpu.log is that run).
+it). They ran on an H200.
 """
 
 import json

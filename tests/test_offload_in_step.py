@@ -216,11 +216,17 @@ def test_speculative_update_in_step_plans_the_old_state_it_keeps():
 def test_speculative_update_in_step_keeps_resident_chunks_twice_in_an_auto_plan():
     """`auto` fills the device's spare room with chunks counted twice when the step
     speculates (a resident chunk's old copy stays beside the new one), and the plan fits."""
-    base = dict(zero_stage=3, mesh__data=8, model__num_layers=8, offload__host_gib=64)
+    # Weights that outweigh the activations (full remat, 8 tokens a row), so that offloading
+    # the optimizer frees the device: the unrolled layers' grads come after the activations,
+    # and speculating keeps the old params beside the new.
+    model = dict(model__ffn_dim=1024, model__remat="full", train__seq_len=8)
+    base = dict(zero_stage=3, mesh__data=8, model__num_layers=8, offload__host_gib=64, **model)
     kw = dict(SPECULATING, offload__chunks_in_flight=1, **base)
     mesh = make_mesh(small_config(**kw).mesh)
     offloaded = build(small_config(**kw), mesh)
-    none = build(small_config(offload__policy="none", **base), mesh).plan
+    # The plan auto tries first: the same model, with nothing offloaded.
+    not_offloaded = dict(offload__update_in_step=False, offload__speculative_update=False)
+    none = build(small_config(**{**kw, "offload__policy": "none", **not_offloaded}), mesh).plan
     # Halfway between what `optimizer` and `none` need on the device.
     between = (offloaded.plan.tier_bytes(DEVICE) + none.tier_bytes(DEVICE)) / 2
     auto = small_config(**{**kw, "offload__policy": "auto"})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from angel_jax import steps
+from angel_jax import machine, steps
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
@@ -122,8 +122,7 @@ def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(mo
     for remat in ("dots_no_batch", "full"):
         exp = plan(remat)
         temps = exp.steps.lowered().compile().memory_analysis().temp_size_in_bytes
-        estimate = exp.plan.state_bytes["activations"] + exp.plan.state_bytes["layer inputs"]
-        compiled_need[remat] = exp.plan.tier_bytes(DEVICE) - estimate + temps
+        compiled_need[remat] = planner.compiled_peak(exp.plan, temps)
     assert compiled_need["dots_no_batch"] > compiled_need["full"]
     # Room between the two compiled steps' needs, and no activations in dots_no_batch's
     # estimate.
@@ -147,9 +146,8 @@ def test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room(monkey
     mesh = make_mesh(small_config(**kw).mesh)
     plan = lambda remat: build(small_config(model__remat=remat, **kw), mesh, fit_compiled=False)
     exp = plan("dots_no_batch")
-    b = exp.plan.state_bytes
     temps = exp.steps.lowered().compile().memory_analysis().temp_size_in_bytes
-    compiled_need = exp.plan.tier_bytes(DEVICE) - b["activations"] - b["layer inputs"] + temps
+    compiled_need = planner.compiled_peak(exp.plan, temps)
     inflated = lambda e: e.plan.tier_bytes(DEVICE) + 2 * e.plan.state_bytes["activations"]
     usable = (inflated(plan("full")) + inflated(exp)) / 2  # Between their inflated needs.
     assert compiled_need < usable
@@ -246,6 +244,32 @@ def test_compiled_step_that_outgrows_the_plan_is_refused_before_allocating():
         ConfigError, match=r"compiled train step needs 31\.4 GiB .* 30\.4 GiB usable"
     ):
         check_compiled(plan, types.SimpleNamespace(temp_size_in_bytes=int(room) + 2**30))
+
+
+def test_the_device_steps_grads_are_among_its_temporaries():
+    """Without an offloaded optimizer the step is one program, its grads neither argument nor
+    output: XLA's temporaries replace them too in the device total. Over unrolled layers they
+    come as the backward frees the activations: the plan counts the larger of the two."""
+    scanned = build(*llama_1b("--config.offload.device_gib=40")).plan
+    b = scanned.state_bytes
+    lasting = b["compute params"] + b["optimizer state"]
+    step = b["layer inputs"] + b["activations"]
+    assert scanned.policy == "none" and not scanned.grads_after_activations
+    assert scanned.tier_bytes(DEVICE) == lasting + b["grads"] + step
+    room = 0.95 * 40 * 2**30 - lasting  # For the temporaries, the grads among them.
+    check_compiled(scanned, types.SimpleNamespace(temp_size_in_bytes=int(room) - 1))
+    with pytest.raises(ConfigError, match=r"compiled train step needs 38\.1 GiB .* 38\.0 GiB"):
+        check_compiled(scanned, types.SimpleNamespace(temp_size_in_bytes=int(room) + 2**27))
+    unrolled = build(
+        *llama_1b("--config.offload.device_gib=40", "--config.model.scan_layers=false")
+    )
+    u = unrolled.plan.state_bytes
+    step = u["layer inputs"] + u["activations"]
+    assert unrolled.plan.grads_after_activations and step > u["grads"]
+    assert unrolled.plan.tier_bytes(DEVICE) == lasting + step
+    assert "grads are made as their activations are freed" in unrolled.plan.table()
+    # The temporaries beyond the plan's estimate of them: the larger of the two.
+    assert check_compiled(unrolled.plan, types.SimpleNamespace(temp_size_in_bytes=step)) == 0
 
 
 def test_the_steps_activations_and_the_updates_chunks_are_not_counted_together():
@@ -355,40 +379,40 @@ def test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up(mo
         assert held == expected and len(expected) == (2 if in_flight == 4 else len(update.groups))
 
 
-def test_a_pinned_pool_that_would_outgrow_the_host_is_refused(monkeypatch):
-    """XLA's pinned-host pool keeps its doubling regions up to its cap (on the H200 a 110 GiB
-    cap was held whole for a 94.7 GiB plan, and the kernel killed the run after minutes of
-    initialisation): the planner refuses a plan whose pool, with the host cores' chunks and
-    the process's own memory, passes what the host has, and names the cap that fits."""
-    assert tiers.pinned_pool_hold(3 * 2**20, 2**40) == 6 * 2**20  # Regions of 2 and 4 MiB.
-    assert tiers.pinned_pool_hold(65 * 2**30, 110 * 2**30) == 110 * 2**30
+def test_a_pinned_pool_that_would_run_out_or_outgrow_the_host_is_refused(monkeypatch):
+    """XLA's pinned-host pool as `tiers.replay_pool` runs it: the planner refuses a plan whose
+    pool runs out at its cap (on the H200 the 8B 1M-token plan's did at the cap then named,
+    its need over USABLE: tests/test_pinned_pool.py), or holds its regions (kept, pinned) with
+    the host cores' chunks and the process's own memory past what the host has (on the H200 a
+    110 GiB cap was held whole for a 94.7 GiB plan and the kernel killed the run), and names
+    the cap that works, or says none fits."""
     overrides = (
         "--config.offload.policy=optimizer",
         "--config.offload.device_gib=32",
         "--config.offload.split_masters=false",
+        "--config.train.steps=20",  # The replay's steps: a short run's.
     )
     plan = build(*llama_1b(*overrides)).plan  # A CPU: no pool.
-    need = plan.tier_bytes(HOST)  # 12.3 GiB: the pool's regions reach 16 GiB.
-    assert 8 * 2**30 < need < 15 * 2**30
-    monkeypatch.setattr(tiers, "_host_available", lambda: 38 * 2**30)  # 16 + 24 beside > 38.
-    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
-    overflow = tiers.pool_overflow(plan, 1, backend="gpu")
-    assert "would hold 16.0 GiB" in overflow and "LIMIT_GB=13," in overflow
-    on_gpu = functools.partial(tiers.pool_overflow, backend="gpu")
-    monkeypatch.setattr(tiers, "pool_overflow", on_gpu)
-    with pytest.raises(ConfigError, match="would hold 16.0 GiB .*LIMIT_GB=13,"):
+    assert 12 * 2**30 < plan.tier_bytes(HOST) < 13 * 2**30
+    gpu = functools.partial(tiers.pool_overflow, backend="gpu", available=64 * 2**30)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "13")  # The need over USABLE.
+    overflow = gpu(plan, 1)
+    assert "runs out in step 1: a 0.24 GiB allocation" in overflow
+    assert "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=17 (it holds 16.0 GiB)" in overflow
+    monkeypatch.setattr(tiers, "pool_overflow", gpu)
+    with pytest.raises(ConfigError, match="runs out .*LIMIT_GB=17 "):
         build(*llama_1b(*overrides))
-    # With less than 13 + 24 GiB available no cap fits: none is named (on the H200 the 8B
-    # 1M-token plan was told to set the 95 GiB cap it had).
-    monkeypatch.setattr(tiers, "_host_available", lambda: 36 * 2**30)
-    overflow = tiers.pool_overflow(plan, 1)
-    assert "no cap fits this host" in overflow and "LIMIT_GB=13," not in overflow
-    monkeypatch.setattr(tiers, "_host_available", lambda: 38 * 2**30)
+    monkeypatch.undo()
+    # A 110 GiB cap: the pool's regions reach 16 GiB, which with 24 GiB for the process
+    # need 40 GiB available; with less no cap fits.
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
+    overflow = tiers.pool_overflow(plan, 1, backend="gpu", available=39 * 2**30)
+    assert "would hold 16.0 GiB" in overflow and "no cap fits this host" in overflow
+    assert tiers.pool_overflow(plan, 1, backend="gpu", available=40 * 2**30) == ""
     # The host cores' chunks live beside the pool, in plain memory: they count too.
     hybrid = build(*llama_1b(*overrides, "--config.offload.cpu_update=0.5")).plan
-    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "13")
-    assert tiers.pool_overflow(plan, 1) == ""
-    assert "GiB of host-updated chunks" in tiers.pool_overflow(hybrid, 2)
+    overflow = tiers.pool_overflow(hybrid, 2, backend="gpu", available=40 * 2**30)
+    assert "11.6 GiB of host-updated chunks" in overflow
     assert tiers.pool_overflow(plan, 1, backend="cpu") == ""
 
 
@@ -396,18 +420,26 @@ def test_a_preallocated_pinned_pool_is_counted_as_held(monkeypatch):
     """With XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE the pool holds its whole cap from the start, out
     of what the host has available: the host tier is the cap (on the H200 the planner, taking
     what was left for the pool, found 0 GiB and refused every plan), and the check asks only
-    that the process's memory fits beside it."""
-    monkeypatch.setattr(tiers, "_host_available", lambda: 30 * 2**30)
+    that the process's memory fits beside it. Its default cap is then XLA's 16 GB."""
+    monkeypatch.setattr(machine, "host_available", lambda: 30 * 2**30)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "95")
     assert tiers.host_budget(200 * 2**30, backend="gpu") == 6 * 2**30  # 30 - 24 beside.
     assert tiers.host_budget(200 * 2**30, backend="cpu") == 200 * 2**30
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "true")
     assert tiers.host_budget(200 * 2**30, backend="gpu") == 95 * 2**30
-    overrides = ("--config.offload.policy=optimizer", "--config.offload.device_gib=32")
+    overrides = (
+        "--config.offload.policy=optimizer",
+        "--config.offload.device_gib=32",
+        "--config.train.steps=20",
+    )
     plan = build(*llama_1b(*overrides)).plan
     assert tiers.pool_overflow(plan, 1, backend="gpu") == ""
-    monkeypatch.setattr(tiers, "_host_available", lambda: 20 * 2**30)
-    assert "lower the cap" in tiers.pool_overflow(plan, 1, backend="gpu")
+    monkeypatch.setattr(machine, "host_available", lambda: 20 * 2**30)
+    overflow = tiers.pool_overflow(plan, 1, backend="gpu")
+    assert "holds its whole cap from the start, leaving 20.0 GiB" in overflow
+    assert "set XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=false XLA_PJRT_GPU_HOST_MEMORY" in overflow
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    assert tiers._pinned_pool_cap_gb() == 16
 
 
 def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):

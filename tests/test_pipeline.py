@@ -391,7 +391,7 @@ def test_the_zero_cache_plan_takes_the_stages_activations():
     """Under a pipeline the ZeRO-Cache plan's activations are the stage plan's (each stage's
     microbatches in flight through its own layers), not a whole batch through every layer at
     once: llama3_8b on pipeline=2 with 8 microbatches of 2 x 8192 fits a 132 GiB device (its
-    step compiled for two H200s needs 123.4 GiB of 126.2 usable, two_gpu_compiled_pipeline.log),
+    step compiled for two H200s needs 123.4 GiB of 126.2 usable, two_gpu_compiled.py),
     where the batch-wide estimate planned 257 GiB and refused it."""
     root = pathlib.Path(__file__).resolve().parents[1]
     overrides = [

@@ -7,9 +7,9 @@ parameter each way for AdamW); the host's moves only the grad down and the new c
 math, one fused loop per chunk). XLA:CPU runs one program on one core, so a pool of threads
 updates several chunks at once: on the H200 machine's 16 cores, AdamW reached 0.69G parameters/s
 on one thread and 1.4-1.5G on 4 to 14, where the memory bus saturates
-(`experiments/results/host_update_rate.json`).
+(experiments/host_update_rate.py).
 
-Measured there on llama_1b (`offload_policies_llama_1b_hybrid.json`), the hybrid update is
+Measured there on llama_1b, the hybrid update is
 slower than the device's alone: 0.43-0.50 s a step for shares of 24-37% against 0.34 s. The
 host's path is not what limits it (the device's chunks finish last), but the device's path
 slows down beside it: both stream through the host's memory (the copies at about 2 x 38
@@ -101,7 +101,7 @@ class CPUTier:
     def _update(self, c, grad, scale, up):
         """Copies go through pinned host memory and numpy: on the H200 a device_put between
         the GPU and the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through
-        pinned memory at 25 (`host_transfer_rate.json`)."""
+        pinned memory at 25."""
         start = time.perf_counter()
         grad = jax.device_put(np.asarray(grad), self.cpu)  # Waits for its copy down.
         copied = time.perf_counter()

@@ -44,6 +44,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from angel_jax import machine
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose, head_dim
 from angel_jax.kernels import resolve_attention
 from angel_jax.memory import per_device_widths, saved_values, zero_splits
@@ -52,6 +53,7 @@ from angel_jax.offload import masters, tiers
 from angel_jax.offload.groups import (
     beside_step_groups,
     chunk_part,
+    flight,
     group_chunks,
     in_flight_bytes,
     new_compute_bytes,
@@ -118,6 +120,18 @@ class Plan:
     # high halves (config.offload.split_masters, a bfloat16 compute copy, `offload/masters.py`);
     # the host's cores' chunks keep theirs whole.
     split_masters: bool = False
+    # The grads come after the step's activations: the policy none's step (one program, its
+    # grads among its temporaries) over unrolled layers and no microbatches makes each
+    # layer's grads in the backward pass as it frees that layer's saved values, and the
+    # update takes them once all are freed (in moe_1b's step compiled for the H200 the
+    # temporaries peak at the backward's start, with no grad made yet). A scan's backward
+    # allocates its stacked grads at its start, beside every saved value; microbatches keep
+    # their grads' sum beside each microbatch's activations.
+    grads_after_activations: bool = False
+    # What it allocates in XLA's pinned-host pool, in order (`tiers.replay_pool`), and the
+    # plan table's line on that pool's setting (on a GPU).
+    pool: tiers.PoolArrays | None = None
+    pool_note: str = ""
 
     @property
     def update_between_microbatches(self) -> bool:
@@ -147,10 +161,13 @@ class Plan:
 
     def tier_bytes(self, tier: str) -> int:
         """Peak bytes per device in `tier`: the lasting states, and the larger of what the step
-        and what the streamed update hold for a while."""
+        and what the streamed update hold for a while (or the grads made after the step's
+        activations, `grads_after_activations`)."""
         held = {s: b for s, b in self.state_bytes.items() if self.placement[s] == tier}
         step = sum(held.pop(s, 0) for s in STEP_ONLY)
         update = sum(held.pop(s, 0) for s in UPDATE_ONLY)
+        if self.grads_after_activations:
+            update += held.pop("grads", 0)
         return sum(held.values()) + max(step, update)
 
     def bytes_per_param(self) -> float:
@@ -186,9 +203,16 @@ class Plan:
                 "  no room beside the step for the update's groups: the update waits for its "
                 "copies home, and fetches none before the step"
             )
+        if self.grads_after_activations:
+            lines.append(
+                "  (the unrolled layers' grads are made as their activations are freed: a "
+                "peak counts the step's activations or the grads, the larger)"
+            )
         lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
         if self.cpu_note:
             lines.append(f"  hybrid update: {self.cpu_note}")
+        if self.pool_note:
+            lines.append(f"  pinned-host pool: {self.pool_note}")
         return "\n".join(lines)
 
 
@@ -227,7 +251,7 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh, remat: str) -> dic
         m.d_model, m.num_heads, m.num_kv_heads, head_dim(m), ffn, tensor, m.sequence_parallel
     )
     xla_keys = 0  # On XLA's attention some policies keep (T, T) arrays per head.
-    if resolve_attention(m, jax.default_backend()) == "xla":
+    if resolve_attention(m, machine.backend()) == "xla":
         xla_keys = m.num_heads / (tensor * mesh.shape[SEQUENCE]) * t.seq_len / mesh.shape[CONTEXT]
     on_device, on_host = saved_values(
         kept(remat, keeps_attention_results(config, mesh)), widths, xla_keys, itemsize
@@ -241,9 +265,15 @@ def activation_bytes(config: ml_collections.ConfigDict, mesh, remat: str) -> dic
         # compiled step at 524k tokens on the H200 (97.1 GiB of temporaries, full remat).
         width = WORKING_WIDTHS[0] * m.d_model + WORKING_WIDTHS[1] * ffn / m.mlp_chunks
         working = tokens * width * itemsize / tensor
+    # Unrolled layers: the LM head's backward frees the logits and their gradient before the
+    # last layer's backward makes its working set, so the temporaries peak with one or the
+    # other beside the saved values (moe_1b's step compiled for the H200 peaks at the
+    # backward's start: the saved values and the logits). Scanned layers keep the sum (as
+    # fitted): their backward's start allocates the stacked grads beside the saved values.
+    transient = working + logits if m.scan_layers else max(working, logits)
     return {
         "layer inputs": int(per_value * widths[0]),
-        "activations": int(per_value * (on_device + routed - widths[0]) + working + logits),
+        "activations": int(per_value * (on_device + routed - widths[0]) + transient),
         "offloaded activations": int(per_value * on_host),
     }
 
@@ -453,6 +483,64 @@ def _with_step_chunks(
     return dataclasses.replace(with_them, state_bytes=state_bytes, copies_beside_step=False)
 
 
+def pool_arrays(config, plan: Plan, chunks, offloaded_masters, opt, stacked) -> tiers.PoolArrays:
+    """What `plan` allocates in XLA's pinned-host pool (`tiers.PoolArrays`): its host chunks'
+    arrays in the state's initialisation's order, the streamed update's groups as
+    `StreamedUpdate` makes them from `chunks` (`_chunks`', in the plan's masters' bytes), and
+    the plan's other pinned-host states, each as one array (the host cores' chunks live in
+    plain memory). Arguments as `make_plan`'s."""
+    in_pool, index = [], {}  # Per host chunk, in tree order: its arrays; key -> its index.
+    for (path, p), state, is_stacked in zip(
+        jax.tree_util.tree_leaves_with_path(offloaded_masters),
+        jax.tree.structure(offloaded_masters).flatten_up_to(opt),
+        jax.tree.leaves(stacked),
+        strict=True,
+    ):
+        n, key = p.shape[0] if is_stacked else 1, jax.tree_util.keystr(path)
+        master = local_bytes(p) // n // (2 if plan.split_masters else 1)
+        # A chunk's scalars (step counts) stay on the device (`stream.home_kind`).
+        moments = [local_bytes(x) // n for x in jax.tree.leaves(state) if x.ndim > is_stacked]
+        for layer in range(n) if is_stacked else [None]:
+            if plan.chunk_tier(key, layer) == HOST:
+                index[key, layer] = len(in_pool)
+                in_pool.append((master, *moments))
+    # The update's chunks, groups and order as `StreamedUpdate` has them.
+    updated = [(key, m + s) for key, m, s in chunks if key not in plan.on_cpu]
+    sizes = [size for _, size in updated]
+    chunk_tiers = [plan.chunk_tier(*key) for key, _ in updated]
+    in_flight = 2 if plan.slot_bytes else config.offload.chunks_in_flight
+    order = list(range(len(updated)))
+    if plan.slot_bytes:
+        order = slot_order(sizes, chunk_tiers, plan.slot_bytes)
+    in_order = ([x[k] for k in order] for x in (sizes, chunk_tiers, updated))
+    sizes, chunk_tiers, updated = in_order
+    parts = [chunk_part(key[0]) for key, _ in updated]
+    groups = []
+    for ks in group_chunks(sizes, chunk_tiers, parts, in_flight, plan.slot_bytes):
+        host = tuple(index[updated[k][0]] for k in ks if updated[k][0] in index)
+        if host or chunk_tiers[ks[0]] == SSD:  # SSD groups wait on their way home too.
+            groups.append(host)
+    ahead, leaving = flight(in_flight)
+    beside = plan.copies_beside_step and not config.offload.update_in_step
+    chunk_states = ("master params", "optimizer state", "CPU-updated chunks")
+    on_host = [
+        s
+        for s, t in plan.placement.items()
+        if t == HOST and plan.state_bytes[s] and s not in chunk_states
+    ]
+    return tiers.PoolArrays(
+        chunks=tuple(in_pool),
+        groups=None if config.offload.update_in_step else tuple(groups),
+        in_flight=in_flight,
+        ahead=ahead,
+        left_home=(1 if plan.slot_bytes else leaving) if beside else 0,
+        old_first=bool(plan.slot_bytes),
+        lasting=tuple(plan.state_bytes[s] for s in on_host if s not in STEP_ONLY),
+        per_step=tuple(plan.state_bytes[s] for s in on_host if s in STEP_ONLY),
+        steps=config.train.steps,
+    )
+
+
 def make_plan(
     config: ml_collections.ConfigDict,
     mesh,
@@ -496,6 +584,8 @@ def make_plan(
         remats = remat_choices(config, mesh)
         activations = {r: activation_bytes(config, mesh, r) for r in remats}
     accumulating = config.train.microbatches > 1
+    # One backward pass through layers not scanned (`Plan.grads_after_activations`).
+    unrolled = not (config.model.scan_layers or accumulating or pipeline is not None)
     layers = config.model.num_layers
     # In the update's order; with the masters split (`Plan.split_masters`), their tier holds
     # the low half.
@@ -598,6 +688,7 @@ def make_plan(
             num_params,
             mesh.size,
             split_masters=split_for(name),
+            grads_after_activations=name == "none" and unrolled,
         )
         chunks = chunk_lists[plan.split_masters]
         # With every chunk in host memory: the room the groups beside the step may take.
@@ -679,17 +770,30 @@ def make_plan(
                 plan = dataclasses.replace(
                     plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
                 )
-            overflow = tiers.pool_overflow(plan, max(1, mesh.size // jax.process_count()))
+            local = max(1, mesh.size // jax.process_count())
+            pool = pool_arrays(config, plan, chunks, offloaded_masters, opt, stacked)
+            plan = dataclasses.replace(plan, pool=pool)
+            overflow = tiers.pool_overflow(plan, local)
             if overflow:
                 raise ConfigError(f"config.offload.policy={policy}: {overflow}")
-            return plan
+            return dataclasses.replace(plan, pool_note=tiers.pool_note(plan, local))
     plan = candidates[-1]
     need = ", ".join(
         f"{t} {plan.tier_bytes(t) / 2**30:.1f} GiB of {USABLE * plan.budget[t] / 2**30:.1f} usable"
         for t in plan.budget
     )
     short = {t for t in plan.budget if plan.tier_bytes(t) > USABLE * plan.budget[t]}
-    fixes = [*tiers.pool_fixes(short), "more devices"]
+    # Where the host tier is short, and is all that is for an offloading plan: the pinned-host
+    # pool's settings that hold the first such plan.
+    fits = lambda p: all(p.tier_bytes(t) <= USABLE * p.budget[t] for t in p.budget if t != HOST)
+    held = next((p for p in candidates if p.offloads_optimizer and fits(p)), None)
+    setting = ""
+    if HOST in short and held:
+        chunks = chunk_lists[held.split_masters]
+        pool = pool_arrays(config, held, chunks, offloaded_masters, opt, stacked)
+        local = max(1, mesh.size // jax.process_count())
+        setting = tiers.pool_advice(dataclasses.replace(held, pool=pool), local)
+    fixes = [*tiers.pool_fixes(short, setting=setting), "more devices"]
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
@@ -724,7 +828,7 @@ def _layer_flops(config: ml_collections.ConfigDict) -> tuple[float, float]:
     at config.train.seq_len."""
     from angel_jax.models import make_model  # The models import the trainer's planner.
 
-    return layer_flops(make_model(config.model, jax.default_backend())[0], config.train.seq_len)
+    return layer_flops(make_model(config.model, machine.backend())[0], config.train.seq_len)
 
 
 # What a byte of a layer input's copies to host memory and back costs a step, in FLOPs of
@@ -759,7 +863,7 @@ def inputs_and_remats(config, tiers, remats) -> list[tuple[str, str]]:
 def keeps_attention_results(config: ml_collections.ConfigDict, mesh) -> bool:
     """Whether the attention's forward results are there for a remat policy to keep on
     `mesh`: cuDNN's attention, or a ring (its merged results are named)."""
-    attention = resolve_attention(config.model, jax.default_backend())
+    attention = resolve_attention(config.model, machine.backend())
     return has_attention_results(attention, mesh.shape[CONTEXT])
 
 
@@ -840,10 +944,28 @@ class CompiledTooLarge(ConfigError):
         self.beyond_estimate = beyond_estimate
 
 
+def in_temporaries(plan: Plan) -> list[str]:
+    """The plan's device states its compiled step holds as XLA temporaries: `IN_TEMPORARIES`,
+    and without an offloaded optimizer the grads (the step is one program, which takes the
+    params and optimizer state and gives them back, donated: its grads are neither)."""
+    held = IN_TEMPORARIES + (() if plan.offloads_optimizer else ("grads",))
+    return [s for s in held if plan.placement.get(s) == DEVICE]
+
+
+def temporaries_estimate(plan: Plan) -> int:
+    """The planner's estimate of the bytes its compiled step's temporaries take: the states
+    `in_temporaries`, the grads beside the rest or, made after the step's activations
+    (`Plan.grads_after_activations`), the larger of the two."""
+    held = {s: plan.state_bytes[s] for s in in_temporaries(plan)}
+    grads = held.pop("grads", 0)
+    rest = sum(held.values())
+    return max(rest, grads) if plan.grads_after_activations else rest + grads
+
+
 def compiled_peak(plan: Plan, temp_bytes: int) -> int:
     """The plan's device peak with a compiled step's temporaries, `temp_bytes`, in place of
-    the planner's estimate of the states they hold (`IN_TEMPORARIES` on the device)."""
-    on_device = [s for s in IN_TEMPORARIES if plan.placement.get(s) == DEVICE]
+    the planner's estimate of the states they hold (`in_temporaries`)."""
+    on_device = in_temporaries(plan)
     compiled = {**plan.state_bytes, **dict.fromkeys(on_device, 0), "activations": temp_bytes}
     return dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
 
@@ -852,13 +974,13 @@ def check_compiled(plan: Plan, memory) -> int:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
     device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
     arguments and outputs (`memory`: a `Compiled.memory_analysis()`) in place of the
-    planner's estimate of the states it holds (`IN_TEMPORARIES` on the device). Returns the
-    temporaries' bytes beyond that estimate (negative when below it; 0 without the analysis,
-    where the estimate stands)."""
+    planner's estimate of the states it holds (`in_temporaries`). Returns the temporaries'
+    bytes beyond that estimate (`temporaries_estimate`; negative when below it; 0 without
+    the analysis, where the estimate stands)."""
     if memory is None:
         return 0
-    on_device = [s for s in IN_TEMPORARIES if plan.placement.get(s) == DEVICE]
-    estimate = sum(plan.state_bytes[s] for s in on_device)
+    on_device = in_temporaries(plan)
+    estimate = temporaries_estimate(plan)
     need = compiled_peak(plan, memory.temp_size_in_bytes)
     usable = USABLE * plan.budget[DEVICE]
     excess = memory.temp_size_in_bytes - estimate

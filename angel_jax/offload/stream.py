@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from angel_jax import dispatch
 from angel_jax.offload.groups import chunk_part, flight, group_chunks, slot_order
 from angel_jax.offload.masters import LOW, compute_copy, join
 from angel_jax.offload.planner import local_bytes
@@ -223,7 +224,7 @@ class StreamedUpdate:
     device holds at most `in_flight` groups, fetched or on their way home.
 
     The runtime starts a copy only after the device work queued before it, and runs it beside
-    the work queued after it (`copy_overlap_probe.json`, H200: 8 GiB down queued before a
+    the work queued after it (experiments/copy_overlap_probe.py: 8 GiB down queued before a
     165 ms program took 167 ms in all, queued after it 319). So the first `in_flight` // 2
     groups are fetched by `prefetch` before the forward/backward that makes their grads is
     dispatched, and the last groups' copies home run beside the next one, when the plan has
@@ -368,8 +369,11 @@ class StreamedUpdate:
         of one) futures of (master, state) read on the SSD's threads."""
         ks = self.groups[g]
         if self.chunks[ks[0]].tier == SSD:
-            return self.ssd.read(self.chunks[ks[0]])
-        return self._move(ks, [self._leaves(k, masters, states) for k in ks], to_device=True)
+            fetched = self.ssd.read(self.chunks[ks[0]])
+        else:
+            fetched = self._move(ks, [self._leaves(k, masters, states) for k in ks], to_device=True)
+        dispatch.mark(dispatch.FETCHED_GROUP)
+        return fetched
 
     def __call__(self, *args, **kwargs):
         """Updates every chunk with its grad times `scale` (the clipping factor): `stages`
@@ -478,7 +482,9 @@ class StreamedUpdate:
                 grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
                 for c in group
             ]
-            new_masters, new_states, new_compute = self._fn(ks, layer_grads, compute, into_new)(
+            update = self._fn(ks, layer_grads, compute, into_new)
+            dispatch.mark(dispatch.UPDATE_GROUP)
+            new_masters, new_states, new_compute = update(
                 layer_grads,
                 [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
                 scale,
