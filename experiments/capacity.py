@@ -91,7 +91,11 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
             if lo == 0 or len(refused) == 5:
                 return None
     p = exp.plan
+    from angel_jax.offload import tiers
+
     return lo, dict(
+        # The pinned-host pool's settings that hold this plan (tiers.pool_advice).
+        pool=tiers.pool_advice(p, 1),
         refused_by_compiled_check=refused,
         params=p.num_params,
         planned_device_gib=p.tier_bytes("device") / 2**30,
@@ -185,9 +189,6 @@ def main() -> int:
         print(json.dumps(out if found is None else {**out, **found[1]}))
         return 0
 
-    sys.path.insert(0, str(ROOT))
-    from angel_jax.offload.tiers import USABLE
-
     results = []
     for optimizer, policy in CASES:
         if a.only and f"{optimizer}/{policy}" not in a.only.split(","):
@@ -202,15 +203,11 @@ def main() -> int:
             continue
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(found["layers"])]
         log = f"{a.out.removesuffix('.json')}.{optimizer}-{policy}.log"
-        # XLA's pinned-host pool keeps its doubling regions up to its cap (tiers.pool_overflow):
-        # cap it at what the plan puts there, which leaves the plan as it is.
+        # XLA's pinned-host pool keeps the regions it grows up to its cap: the child takes the
+        # settings the plan advises, which hold its arrays (tiers.pool_advice).
         env = None
-        if found["planned_host_gib"] > 0:
-            row["pinned_pool_cap_gib"] = math.ceil(found["planned_host_gib"] / USABLE)
-            env = {
-                **os.environ,
-                "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": str(row["pinned_pool_cap_gib"]),
-            }
+        if found.get("pool"):
+            env = {**os.environ, **dict(s.split("=") for s in found["pool"].split())}
         measured = run(cmd + [optimizer, policy], ROOT, log, env)
         results.append({**row, **found, **measured, "log": log})
         print(json.dumps(results[-1]), flush=True)
