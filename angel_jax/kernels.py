@@ -263,10 +263,11 @@ def _tokamax_attention():
     )
 
 
-def tokamax_block(q, k, v, causal: bool):
+def tokamax_block(q, k, v, causal: bool, ops=None):
     """`xla_block` through tokamax's Mosaic GPU flash forward, which returns the softmax's
-    row max and denominator beside the normalised output."""
-    forward, _ = _tokamax_attention()
+    row max and denominator beside the normalised output. `ops`: tokamax's (forward,
+    backward) ops to use, configured; None: their defaults."""
+    forward, _ = ops or _tokamax_attention()
     out, (row_max, denominator) = forward(
         _flat_heads(q), k, v, is_causal=causal, return_residuals=True
     )
@@ -274,12 +275,13 @@ def tokamax_block(q, k, v, causal: bool):
     return out.reshape(q.shape), lse  # The output in q's dtype: the ring's merge widens it.
 
 
-def tokamax_block_grads(q, k, v, do, out, lse, causal: bool):
+def tokamax_block_grads(q, k, v, do, out, lse, causal: bool, ops=None):
     """`xla_block_grads` through tokamax's Mosaic GPU flash backward. Its kernels form the
     probabilities as exp(s - max) / denominator from the residuals given, so passing the
     merged lse as the max and 1 as the denominator (and the merged output, from which it
-    takes delta) yields this block's share of the full softmax's gradient."""
-    forward, backward = _tokamax_attention()
+    takes delta) yields this block's share of the full softmax's gradient. `ops`: as
+    `tokamax_block`'s."""
+    forward, backward = ops or _tokamax_attention()
     flat_q, flat_do = _flat_heads(q), _flat_heads(do)
     lse = lse.reshape(lse.shape[0], -1, lse.shape[-1])  # (B, K*G, T)
     bound = forward.bind(flat_q, k, v, is_causal=causal).kwargs

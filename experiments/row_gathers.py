@@ -18,7 +18,7 @@ import numpy as np
 from throughput import ROOT, timed, write_results
 
 sys.path.insert(0, str(ROOT))
-from angel_jax.parallel.expert import _gather_rows, _summed_rows  # noqa: E402
+from angel_jax.parallel.expert import sorted_rows, summed_rows  # noqa: E402
 
 N, K, D = 16384, 6, 2048
 M = N * K
@@ -36,12 +36,13 @@ def gathered(d, position):
 
 SORTED = {
     "sorted rows, bf16": lambda x, idx: x.at[idx].get(mode="promise_in_bounds"),
-    "sorted rows, 32-bit words (the trainer's)": _gather_rows,
+    # The trainer's gathers: token order // K of each sorted row (`idx * K` gives idx).
+    "sorted rows, 32-bit words (the trainer's)": lambda x, idx: sorted_rows(x, idx * K, None),
     "sorted rows, 64-bit words": lambda x, idx: as_words(x, idx, jnp.dtype(jnp.uint64)),
     "sorted rows, jnp.take": lambda x, idx: jnp.take(x, idx, axis=0, mode="clip"),
 }
 SUMMED = {
-    "summed rows, one reduce (the trainer's)": lambda d, p: _summed_rows(d, p, N),
+    "summed rows, one reduce (the trainer's)": lambda d, p: summed_rows(d, None, p, N),
     "summed rows, K gathers added": lambda d, p: sum(
         gathered(d, p.reshape(N, K)[:, j]).astype(jnp.float32) for j in range(K)
     ),

@@ -187,13 +187,13 @@ def test_two_gpu_ring_step_of_a_scanned_stack_compiles(kernel):
 def test_ring_on_one_device_equals_cudnn_attention(kernel):
     """The ring's diagonal step (three library blocks) and its backward, against cuDNN's own
     attention; the compiled gradient holds the library's kernels."""
-    from angel_jax.parallel.attention import _ring_attention_local
+    from angel_jax.parallel.attention import ring_attention_local
 
     q, k, v, do = _attention_inputs(t=1024)
     b, t, kv, g, h = q.shape
     mesh = jax.make_mesh((1,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     ring = jax.shard_map(
-        lambda q, k, v: _ring_attention_local(q, k, v, "context", True, kernel),
+        lambda q, k, v: ring_attention_local(q, k, v, "context", True, kernel),
         mesh=mesh,
         in_specs=P(),
         out_specs=P(),

@@ -192,7 +192,9 @@ def _ring_backward(q, k, v, out, lse, do, axis, causal, blocks_impl):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ring_attention_local(q, k, v, axis, causal, blocks_impl):
+def ring_attention_local(q, k, v, axis, causal, blocks_impl):
+    """Attention of this rank's q over every rank's k, v along mesh `axis` (inside shard_map),
+    the k, v chunks passed round the ring; `blocks_impl` computes each block (`kernels`)."""
     out, _ = _ring_forward(q, k, v, axis, causal, blocks_impl)
     return out.astype(q.dtype)
 
@@ -213,7 +215,7 @@ def _ring_bwd(axis, causal, blocks_impl, residuals, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
+ring_attention_local.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _local_attention(q, k, v, causal, implementation):
@@ -264,7 +266,7 @@ def sequence_parallel_attention(
             b, t, nh, h = q.shape
             kh = k.shape[2]
             grouped = q.reshape(b, t, kh, nh // kh, h)
-            out = _ring_attention_local(grouped, k, v, CONTEXT, causal, ring_blocks)
+            out = ring_attention_local(grouped, k, v, CONTEXT, causal, ring_blocks)
             out = out.reshape(b, t, nh, h)
         else:
             out = _local_attention(q, k, v, causal, implementation)
