@@ -57,27 +57,28 @@ def dims(x_ndim: int, w_ndim: int, n_in: int):
     return forward, dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul(x: jax.Array, w: jax.Array, n_in: int = 1, scaling=quantize) -> jax.Array:
     """x (L.., I..) . w (I.., O..) -> (L.., O..) in x's dtype, through FP8 GEMMs forward and
-    backward."""
-    return _matmul_fwd(x, w, n_in)[0]
+    backward; `scaling` quantizes each operand (`quantize`'s signature: current scaling;
+    experiments/fp8_gemm.py passes a fixed scale to bound what delayed scaling could save)."""
+    return _matmul_fwd(x, w, n_in, scaling)[0]
 
 
-def _matmul_fwd(x, w, n_in):
-    (xq, xs), (wq, ws) = quantize(x, E4M3), quantize(row_major(w), E4M3)
+def _matmul_fwd(x, w, n_in, scaling=quantize):
+    (xq, xs), (wq, ws) = scaling(x, E4M3), scaling(row_major(w), E4M3)
     forward, _, _ = dims(x.ndim, w.ndim, n_in)
     y = scaled_dot(xq, wq, xs * ws, forward, x.dtype)
     return y, (xq, xs, wq, ws)  # The FP8 copies are the residuals: half of bf16's memory.
 
 
-def _matmul_bwd(n_in, residuals, g):
-    return backward(*residuals, g, n_in)
+def _matmul_bwd(n_in, scaling, residuals, g):
+    return backward(*residuals, g, n_in, scaling)
 
 
-def backward(xq, xs, wq, ws, g, n_in):
+def backward(xq, xs, wq, ws, g, n_in, scaling=quantize):
     """(dx, dw) of y = x.w from the forward's FP8 copies and g quantized to e5m2."""
-    gq, gs = quantize(g, E5M2)
+    gq, gs = scaling(g, E5M2)
     _, dx_dims, dw_dims = dims(xq.ndim, wq.ndim, n_in)
     dx = scaled_dot(gq, wq, gs * ws, dx_dims, g.dtype)
     dw = scaled_dot(xq, gq, xs * gs, dw_dims, g.dtype)
