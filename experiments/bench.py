@@ -212,7 +212,9 @@ def cell(record: dict | None, recipe: Recipe, kind: str) -> str:
         return f"**failed**: {record['error']}"
     text = "; ".join(f"{k} {shown(v)}" for k, v in record["metrics"].items())
     flag = "" if record["status"] == "ok" else f" **{record['status']}**"
-    return f"{text}{flag}"
+    # A record kept from the one-off runs before the bench: its notes say what differed.
+    earlier = " (an earlier run's record)" if record.get("converted_from") else ""
+    return f"{text}{flag}{earlier}"
 
 
 def table(root: pathlib.Path) -> str:
