@@ -125,8 +125,8 @@ def run_recipe(recipe: Recipe, kind: str, args, before: dict | None) -> dict:
         env = {**os.environ, **recipe.env, "RUN_LOG_DIR": str(logs / f"{recipe.name}.{kind}")}
         limit = recipe.seconds[kind] * 2  # A run far past its expected time is stuck.
         env.setdefault("RUN_TIMEOUT_S", str(limit))
-        shown = " ".join([*(f"{k}={v}" for k, v in recipe.env.items()), "python", *cmd[1:]])
-        print(f"\n== {recipe.name} on {kind}: {shown}", flush=True)
+        line = " ".join([*(f"{k}={v}" for k, v in recipe.env.items()), "python", *cmd[1:]])
+        print(f"\n== {recipe.name} on {kind}: {line}", flush=True)
         start = time.perf_counter()
         with open(logs / f"{recipe.name}.{kind}.log", "w") as log:
             try:
@@ -147,7 +147,7 @@ def run_recipe(recipe: Recipe, kind: str, args, before: dict | None) -> dict:
         recipe=recipe.name,
         gpu=kind,
         what=recipe.what,
-        command=shown.replace(str(out), "RESULTS.json"),
+        command=line.replace(str(out), "RESULTS.json"),
         commit=commit(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         machine=written.get("machine", {}),
