@@ -4,13 +4,25 @@ Saves are asynchronous and atomic (orbax writes `STEP.orbax-checkpoint-tmp` and 
 `STEP` on commit), so a process killed mid-save leaves the previous checkpoint as the latest
 complete one; the leftover temporary directory is removed when the next run opens the
 directory. `restore_latest` goes back past checkpoints that cannot be read.
+
+A save that cannot be written (the disk full, a write refused) stops the run with one line
+(`SaveFailed`) naming the directory and its free space, and the previous checkpoint is still
+the latest complete one. Before each save the state's bytes are checked against the free
+space, so a save that cannot fit stops the run before it writes; orbax's own reports of a
+failed write (its threads' errors and tracebacks) go to `WORKDIR/orbax.log`, not the
+console.
 """
 
 import dataclasses
 import logging
+import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
+import threading
+import traceback
 import warnings
 
 import jax
@@ -28,6 +40,10 @@ class UnreadableCheckpoint(ConfigError):
         self.reason = reason  # What orbax said, in one line.
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written; the run stops (a restart would fail the same way)."""
+
+
 @dataclasses.dataclass
 class Restored:
     step: int
@@ -36,26 +52,62 @@ class Restored:
     unreadable: list  # (step, reason) of newer checkpoints that could not be read, set aside.
 
 
+def saved_run(workdir: str, flag: str = "--checkpoint") -> str:
+    """`workdir`, checked to be a training run's with a checkpoint in it (for readers, which
+    create nothing): one line naming `flag` and the fix when it is not."""
+    path = pathlib.Path(workdir).absolute()
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        raise ConfigError(
+            f"{flag} {workdir} is one checkpoint's directory; pass the run's workdir, "
+            f"{path.parent.parent} (its latest readable checkpoint is taken)"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {workdir}: no such directory; pass a training run's --workdir")
+    steps = path / "checkpoints"
+    if not steps.is_dir() or not any(d.name.isdigit() for d in steps.iterdir()):
+        raise ConfigError(
+            f"{flag} {workdir}: no checkpoint there (a run's workdir holds checkpoints/STEP; "
+            "config.checkpoint.every_steps=0 saves none)"
+        )
+    return str(path)
+
+
 class Checkpointer:
-    def __init__(self, workdir: str, every_steps: int, keep: int, async_save: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        every_steps: int,
+        keep: int,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.every_steps = every_steps
         # lightweight_initialize: list steps without reading each one's metadata file, which
         # orbax would log (not raise) about when damaged; restore() then reports it once.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
+            max_to_keep=None if read_only else keep,  # A reader deletes nothing.
+            save_interval_steps=0 if read_only else 1,
+            create=not read_only,
+            read_only=read_only,
             enable_async_checkpointing=async_save,
             lightweight_initialize=True,
-            cleanup_tmp_directories=True,  # Saves cut short by a crash.
+            cleanup_tmp_directories=not read_only,  # Saves cut short by a crash.
+        )
+        # A reader writes nothing into the run's directory, its log neither.
+        log_dir = pathlib.Path(tempfile.gettempdir()) if read_only else self.directory.parent
+        self.log = _OrbaxLog(
+            log_dir / ("orbax.log" if not read_only else f"orbax-{os.getpid()}.log")
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except OSError as e:
+            self.log.close()
             raise ConfigError(
                 f"--workdir {workdir}: cannot create {self.directory} ({e}); pass a writable "
                 "directory as --workdir"
             ) from None
+        self._in_flight = None  # The step of the last save started.
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -79,30 +131,77 @@ class Checkpointer:
             "offload_policy": offload_policy,
             "split_masters": split_masters,
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(meta)
-            ),
+        self.wait()  # The previous save is on disk (or failed) before the space is counted.
+        self.check_space(state, step)
+        self._in_flight = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(meta)
+                ),
+            )
+        except Exception as e:  # A synchronous save's write error.
+            raise self._save_failed(step, e) from None
+
+    def check_space(self, state, step: int | None = None) -> None:
+        """Stops the run (SaveFailed) when a checkpoint of `state` (arrays, or their shapes
+        and dtypes) would not fit the free space of the checkpoints' disk: a write cut short
+        by a full disk costs the run's progress since the last save, a check costs nothing.
+        Every process takes the same decision."""
+        need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if _everywhere(free >= need * SPACE_MARGIN):
+            return
+        what = "the next checkpoint" if step is None else f"checkpoint {self.directory / str(step)}"
+        raise SaveFailed(
+            f"{what} needs {_size(need)} and the disk holding {self.directory} has "
+            f"{_size(free)} free; free space there or train in a --workdir on a larger disk"
+            + self._last_good()
         )
+
+    def check(self) -> None:
+        """Raises SaveFailed when an asynchronous save in flight has failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise self._save_failed(None, e) from None
+
+    def wait(self) -> None:
+        """Waits for the save in flight; SaveFailed when it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(None, e) from None
+
+    def _save_failed(self, step: int | None, error: Exception) -> SaveFailed:
+        step = self._in_flight if step is None else step
+        self.log.failed(f"saving step {step} failed", error)
+        free = shutil.disk_usage(self.directory).free
+        return SaveFailed(
+            f"saving checkpoint {self.directory / str(step)} failed ({_write_error(error)}); "
+            f"{_size(free)} free on its disk; free space there or train in a --workdir on a "
+            f"larger disk (orbax's report: {self.log.path})" + self._last_good()
+        )
+
+    def _last_good(self) -> str:
+        steps = [s for s in self.manager.all_steps() if (self.directory / str(s)).is_dir()]
+        if not steps:
+            return "; no checkpoint was saved before"
+        return f"; the last good checkpoint, {self.directory / str(max(steps))}, is intact"
 
     def restore(
         self, step: int, abstract_state, offload_policy: str = "none", split_masters: bool = False
     ):
         """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
-        previous_hook = sys.unraisablehook
-        sys.unraisablehook = _drop_closed_loop_callbacks(previous_hook)
-        _quiet_abandoned_futures()
         try:
             meta = self.manager.restore(
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
             ).data
         except Exception as e:
-            _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
         saved_policy = meta.get("offload_policy", "none")
         if saved_policy != offload_policy:
-            sys.unraisablehook = previous_hook
             raise ConfigError(
                 f"checkpoint {self.directory / str(step)} holds state laid out for "
                 f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
@@ -110,7 +209,6 @@ class Checkpointer:
             )
         saved_split = meta.get("split_masters", False)
         if saved_split != split_masters:
-            sys.unraisablehook = previous_hook
             held = {True: "split in halves", False: "whole"}
             raise ConfigError(
                 f"checkpoint {self.directory / str(step)} holds the float32 masters "
@@ -127,10 +225,7 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # Orbax raises many types for damaged files.
-            # The filters stay: reads still in flight fail after this, until the process exits.
-            _quiet_abandoned_reads()
             raise self._unreadable(step, e) from None
-        sys.unraisablehook = previous_hook
         return restored.state, int(restored.data["next_batch_index"])
 
     def restore_latest(
@@ -189,6 +284,7 @@ class Checkpointer:
         self.manager.reload()
 
     def _unreadable(self, step: int, error: Exception) -> ConfigError:
+        self.log.failed(f"reading step {step} failed", error)
         reason = one_line_reason(error)
         return UnreadableCheckpoint(
             f"checkpoint {self.directory / str(step)} is unreadable ({reason}); delete that "
@@ -198,8 +294,103 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            self.log.close()
+
+
+SPACE_MARGIN = 1.05  # Orbax's metadata, and room for the disk's own rounding.
+
+
+def _write_error(error: Exception) -> str:
+    """The operating system's reason when tensorstore names one (its message puts it last,
+    after the paths), else the error's first line."""
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return os.strerror(int(code[1])) if code else one_line_reason(error)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class _OrbaxLog:
+    """Where orbax's reports of a failed read or write go while a Checkpointer is open: the
+    failure is reported once, as one line naming this file, not as the hundreds of lines that
+    orbax and tensorstore print (each array's error with its TensorStore spec, tracebacks of
+    callbacks into orbax's closed event loop, its abandoned coroutines when collected). After
+    a failure the hooks stay until the process exits: reads and writes still in flight fail
+    later, some only at exit."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path, self._file, self._failed = path, None, False
+        self._filter = _ToFile(self)
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(self._filter)
+        self._thread_hook, threading.excepthook = threading.excepthook, self._thread_exception
+        self._unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+
+    def write(self, text: str) -> None:
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a")
+            self._file.write(text.rstrip("\n") + "\n")
+            self._file.flush()
+        except Exception:  # At interpreter exit, or the disk full: the report is best effort.
+            pass
+
+    def failed(self, what: str, error: Exception) -> None:
+        self._failed = True
+        self.write(f"{what}:\n{''.join(traceback.format_exception(error))}")
+        # Orbax's abandoned coroutines, collected at exit, would warn of each.
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+
+    def _thread_exception(self, args) -> None:
+        if _from_orbax(args.exc_value):
+            self.write("".join(traceback.format_exception(args.exc_value)))
+        else:
+            self._thread_hook(args)
+
+    def _unraisable(self, unraisable) -> None:
+        exc = unraisable.exc_value
+        if _from_orbax(exc) or (isinstance(exc, RuntimeError) and "loop is closed" in str(exc)):
+            self.write("".join(traceback.format_exception(exc)))
+        else:
+            self._unraisable_hook(unraisable)
+
+    def close(self) -> None:
+        if self._failed:
+            return
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).removeFilter(self._filter)
+        if threading.excepthook == self._thread_exception:
+            threading.excepthook = self._thread_hook
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._unraisable_hook
+        if self._file is not None:
+            self._file.close()
+
+
+def _from_orbax(error: BaseException | None) -> bool:
+    tb = error.__traceback__ if error is not None else None
+    return any("/orbax/" in frame.filename for frame in traceback.extract_tb(tb))
+
+
+class _ToFile(logging.Filter):
+    """Orbax's warnings and errors, and asyncio's reports of its futures whose failure nobody
+    retrieved, into the log's file instead of the console."""
+
+    def __init__(self, log: _OrbaxLog):
+        super().__init__()
+        self.log = log
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        orbax = "orbax" in record.pathname and record.levelno >= logging.WARNING
+        if not orbax and "exception was never retrieved" not in str(record.msg):
+            return True
+        self.log.write(record.getMessage())
+        return False
 
 
 def one_line_reason(error: Exception, limit: int = 200) -> str:
@@ -222,42 +413,3 @@ def _everywhere(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
-class _AbandonedFutures(logging.Filter):
-    """Drops asyncio's reports of futures whose exception nobody retrieved: a damaged file
-    fails orbax's reads in flight, each reported when collected, which can come before the
-    failure reaches the checkpointer (seen on a loaded CPU) or long after; the failure itself
-    is reported once, as one line. Only that report: asyncio's other errors still show."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "exception was never retrieved" not in str(record.msg)
-
-
-def _quiet_abandoned_futures() -> None:
-    log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _AbandonedFutures) for f in log.filters):
-        log.addFilter(_AbandonedFutures())
-
-
-def _quiet_abandoned_reads() -> None:
-    """After a failed read, orbax abandons its other reads' coroutines unawaited; Python warns
-    of each when it collects them (often at exit), after the one-line error."""
-    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-
-
-def _drop_closed_loop_callbacks(previous_hook):
-    """An unraisable-exception hook that drops tensorstore callbacks into a closed event loop.
-
-    When one read of a damaged checkpoint fails, orbax closes its event loop while other reads
-    are still in flight; each of those later prints a "RuntimeError: Event loop is closed"
-    traceback. The failure itself is reported as one line, so those are noise.
-    """
-
-    def hook(unraisable):
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        previous_hook(unraisable)
-
-    return hook

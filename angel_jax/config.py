@@ -334,10 +334,10 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
 
 def _parse_value(text: str, field_type: type):
     """`text` as a `field_type`; for str fields, `None` unsets (e.g. config.data.path)."""
-    if field_type is bool:
-        if text.lower() in ("true", "1", "yes"):
+    if field_type is bool:  # true/false as documented, or 1/0; other words are refused.
+        if text.lower() in ("true", "1"):
             return True
-        if text.lower() in ("false", "0", "no"):
+        if text.lower() in ("false", "0"):
             return False
         raise ValueError("use true or false")
     if field_type is str:

@@ -12,13 +12,17 @@ The decode path applies the model's own layers (models/llama.py, models/gpt2.py)
 params, one layer at a time under `lax.scan`, with each layer's keys and values kept in a cache
 of the full length: the prompt fills it in one pass, then each step adds one token. It is jitted
 under the training rules (the params in their training layout, batch over `data`, heads over
-`tensor`). GPT-2 generates at most config.model.max_positions positions, its table's rows.
+`tensor`). GPT-2 generates at most config.model.max_positions positions, its table's rows;
+past the length the model was trained at (config.train.seq_len) generation warns. Text is
+refused where the tokenizer cannot decode the model's ids: give --tokenizer, or use ids.
 
 Letters: B batch, T new tokens, S cache length, D model dim, N query heads, K kv heads,
 G query heads per kv head, H head dim, V vocabulary, L layers.
 """
 
 import functools
+import json
+import pathlib
 import sys
 
 import jax
@@ -27,6 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from angel_jax import sharding
+from angel_jax.checkpoint import saved_run
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError
 from angel_jax.models import FAMILIES, family_of, load_params
@@ -153,6 +158,14 @@ def generate(
             f"more than the position table, config.model.max_positions={positions}"
             "; shorten the prompt or generate fewer steps"
         )
+    trained, source = trained_length(exp.config)
+    if length > trained:  # RoPE extrapolates silently; GPT-2's rows past it are untrained.
+        print(
+            f"warning: {prompt_BT.shape[1]} prompt tokens + {steps} steps = {length} positions, "
+            f"past the {trained} the model was trained at ({source}); the text there may "
+            "degrade",
+            file=sys.stderr,
+        )
     # The sequence is never split here: one new token a step.
     rules = dict(exp.rules, length=None, norm_length=None)
     batch_ways = np.prod([exp.mesh.shape[a] for a in jax.tree.leaves(rules["batch"])])
@@ -176,6 +189,21 @@ def generate(
     return jax.tree.map(np.asarray, jax.device_get(out))
 
 
+def trained_length(config) -> tuple[int, str]:
+    """(positions the model was trained at, the setting that says so): config.train.seq_len,
+    or a Hugging Face checkpoint's own length where that is longer."""
+    length = config.train.seq_len, f"config.train.seq_len={config.train.seq_len}"
+    if config.init_from_hf:
+        try:
+            hf = json.loads((pathlib.Path(config.init_from_hf) / "config.json").read_text())
+        except (OSError, ValueError):
+            return length
+        n = hf.get("max_position_embeddings") or hf.get("n_positions") or 0
+        if n > length[0]:
+            return n, f"max_position_embeddings={n} in config.init_from_hf's config.json"
+    return length
+
+
 def load_params_for(exp, checkpoint: str | None):
     """Params for generation: the latest of our checkpoints in the workdir `checkpoint`, or the
     Hugging Face checkpoint at config.init_from_hf."""
@@ -183,7 +211,7 @@ def load_params_for(exp, checkpoint: str | None):
         from angel_jax.checkpoint import Checkpointer
 
         keep = exp.config.checkpoint.keep  # As the run kept them: nothing is deleted.
-        ckpt = Checkpointer(checkpoint, every_steps=0, keep=keep, async_save=False)
+        ckpt = Checkpointer(saved_run(checkpoint), 0, keep, async_save=False, read_only=True)
         try:
             found = ckpt.restore_latest(exp.checkpoint_target(), *exp.checkpoint_layout)
         finally:  # Closed on every path: an open one's thread prints tracebacks at exit.
@@ -204,17 +232,58 @@ def load_params_for(exp, checkpoint: str | None):
     )
 
 
+USE_IDS = "or --prompt-tokens IDS to give and print token ids"
+
+
 def prompt_tokenizer(path: str | None, config):
     """The tokenizer of --prompt: --tokenizer's tokenizer.json, else the Hugging Face
     checkpoint's (config.init_from_hf), else the byte tokenizer (the default corpus's)."""
-    import pathlib
-
     from angel_jax.data.tokens import load_tokenizer
 
     if path is None and config.init_from_hf:
-        found = pathlib.Path(config.init_from_hf) / "tokenizer.json"
-        path = str(found) if found.is_file() else None
+        path = str(pathlib.Path(config.init_from_hf) / "tokenizer.json")
+        if not pathlib.Path(path).is_file():  # Its ids are its tokenizer's, never bytes.
+            raise ConfigError(
+                f"--prompt: config.init_from_hf={config.init_from_hf} has no tokenizer.json; "
+                f"pass the model's --tokenizer FILE, {USE_IDS}"
+            )
     return load_tokenizer(path)
+
+
+def check_tokenizer(config, vocab_size: int, tokenizer) -> None:
+    """Refuses, before the weights load, a tokenizer that decodes fewer ids than the model
+    learned: random ones over its whole vocabulary, or those of its token file's tokenizer.
+    (The default corpus is bytes; what else a model emits is checked once generated.)"""
+    if config.data.path:
+        try:
+            meta = pathlib.Path(config.data.path).with_suffix(".json")
+            meta = json.loads(meta.read_text())
+        except (OSError, ValueError):  # Not on this machine: nothing to tell.
+            return
+        learned = meta.get("vocab_size", 0)
+        source = f"config.data.path's tokenizer, {meta.get('tokenizer')}"
+    elif config.data.synthetic:
+        learned, source = vocab_size, "config.data.synthetic: random ids"
+    else:
+        return
+    if learned > tokenizer.vocab_size:
+        raise ConfigError(
+            f"--prompt: the model learned ids 0..{learned - 1} ({source}), but the tokenizer "
+            f"{tokenizer.name} decodes 0..{tokenizer.vocab_size - 1}; pass the data's "
+            f"--tokenizer FILE, {USE_IDS}"
+        )
+
+
+def check_decoded(new_tokens, vocab_size: int, tokenizer) -> None:
+    """Refuses generated ids the tokenizer cannot decode (decode() would drop them)."""
+    outside = np.unique(new_tokens[new_tokens >= tokenizer.vocab_size])
+    if outside.size:
+        raise ConfigError(
+            f"the model (config.model.vocab_size={vocab_size}) generated ids "
+            f"{', '.join(map(str, outside[:5]))} that the tokenizer {tokenizer.name} cannot "
+            f"decode (it has 0..{tokenizer.vocab_size - 1}); pass the --tokenizer FILE of the "
+            f"model's training data, {USE_IDS}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokenizer",
         help="a Hugging Face tokenizer.json for --prompt (default: the init_from_hf "
-        "checkpoint's, else bytes)",
+        "checkpoint's; without one, bytes)",
     )
     parser.add_argument("--steps", type=int, default=32, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -241,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config, overrides)
+        if args.checkpoint:  # Before the model is built: a wrong path is said at once.
+            saved_run(args.checkpoint)
         tokenizer = None
         if args.prompt is not None:
             tokenizer = prompt_tokenizer(args.tokenizer, config)
@@ -255,8 +326,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"--prompt-tokens {args.prompt_tokens}: give comma-separated token ids"
                 ) from None
         exp = build(config, make_mesh(config.mesh), fit_compiled=False)  # No train step runs.
+        vocab = exp.model_config.vocab_size  # Set by build from an init_from_hf checkpoint.
+        if tokenizer is not None:
+            check_tokenizer(config, vocab, tokenizer)
         params = load_params_for(exp, args.checkpoint)
         tokens = generate(exp, params, prompt, args.steps, args.temperature, args.top_k, args.seed)
+        if tokenizer is not None:
+            check_decoded(tokens[0, len(prompt[0]) :], vocab, tokenizer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import sys
 import jax
 
 from angel_jax import cluster, monitor
+from angel_jax.checkpoint import SaveFailed
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError, load_config
 
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return monitor.EXIT_DIVERGED
     except monitor.Stopped as e:  # Saved and said so: nothing more to print.
         return e.exit_code
+    except SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return monitor.EXIT_SAVE_FAILED
     except (jax.errors.JaxRuntimeError, MemoryError) as e:
         if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
             raise

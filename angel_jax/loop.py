@@ -13,6 +13,7 @@ import numpy as np
 
 from angel_jax import kernels
 from angel_jax.config import ConfigError
+from angel_jax.lock import hold_workdir
 from angel_jax.models import validate
 from angel_jax.monitor import Stopped, StopRequest
 from angel_jax.state_layout import TrainState
@@ -28,13 +29,20 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     from angel_jax.monitor import Monitor
 
     validate(config)
-    monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
-    stop = StopRequest()
     try:
-        return _train_loop(config, workdir, monitor, stop)
-    finally:
-        stop.close()
-        monitor.close()
+        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"--workdir {workdir}: cannot create it ({e}); pass a writable directory"
+        ) from None
+    with hold_workdir(workdir):
+        monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
+        stop = StopRequest()
+        try:
+            return _train_loop(config, workdir, monitor, stop)
+        finally:
+            stop.close()
+            monitor.close()
 
 
 def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
@@ -62,12 +70,6 @@ def _train_loop(
     from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
 
     t = config.train
-    try:
-        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"--workdir {workdir}: cannot create it ({e}); pass a writable directory"
-        ) from None
     mesh = make_mesh(config.mesh)
     exp = build(config, mesh)
     # This process's rows of each batch; checks the data before any device memory is taken.
@@ -81,6 +83,8 @@ def _train_loop(
             config.checkpoint.async_save,
         )
     train_step = monitor.step_fn(exp)  # Compiled before the state takes the device's memory.
+    if ckpt:  # Before any step: a checkpoint that cannot fit its disk would stop the run later.
+        ckpt.check_space(exp.checkpoint_target())
     state, data_index = _restore_or_init(exp, ckpt, monitor, say)
     start = int(jax.device_get(state.step))
     if start >= t.steps:
@@ -176,6 +180,8 @@ def _train_loop(
         with jax.transfer_guard("disallow"):
             state, metrics = train_step(state, batch)
         step, data_index = step + 1, data_index + 1
+        if ckpt:  # A save in flight that failed stops the run at the next step.
+            ckpt.check()
         if pending:  # Step t's metrics are read after step t+1 is dispatched.
             log(*pending)
             pending = None
@@ -187,7 +193,7 @@ def _train_loop(
         # ever saved).
         rollback = monitor.observe(step, metrics, data_index, sync=saving)
         if rollback:
-            ckpt.manager.wait_until_finished()  # Then free the state before restoring.
+            ckpt.wait()  # Then free the state before restoring.
             exp.steps.discard()  # A delayed update of the steps rolled back: dropped.
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
             state, _ = _restore_or_init(exp, ckpt, monitor, say)

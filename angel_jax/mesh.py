@@ -2,6 +2,8 @@
 
 import collections
 import math
+import os
+import re
 
 import jax
 import ml_collections
@@ -46,8 +48,23 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict
         raise ConfigError(
             f"config.mesh: axis sizes {_fmt(sizes)} multiply to {known}, but there are "
             f"{num_devices} devices; make the product {num_devices} or set one axis to -1"
+            + _late_flags(num_devices)
         )
     return sizes
+
+
+def _late_flags(num_devices: int) -> str:
+    """A hint when XLA_FLAGS asks for more emulated CPU devices than JAX made: the flags were
+    set after JAX had started its CPU client (in a notebook: after `import jax` ran)."""
+    asked = re.search(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    if not asked or int(asked[1]) == num_devices or jax.devices()[0].platform != "cpu":
+        return ""
+    return (
+        f" (XLA_FLAGS asks for {asked[1]} CPU devices, but JAX had started before it was set: "
+        "set it before the first `import jax`, e.g. in a notebook's first cell, and restart)"
+    )
 
 
 def make_mesh(mesh_config: ml_collections.ConfigDict, devices=None) -> Mesh:

@@ -42,6 +42,7 @@ from angel_jax.metrics import json_line
 EXIT_HANG = 3  # The watchdog found no step for hang_timeout_s: restart.
 EXIT_DIVERGED = 4  # Anomalies beyond the configured bounds: do not restart.
 EXIT_OUT_OF_MEMORY = 5  # XLA's RESOURCE_EXHAUSTED: the same settings would fail again.
+EXIT_SAVE_FAILED = 6  # A checkpoint could not be written (a full disk): a restart would too.
 
 
 class Diverged(RuntimeError):

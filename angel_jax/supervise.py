@@ -3,14 +3,21 @@
     python -m angel_jax.supervise [--max-restarts 10] [--restart-delay-s 10] \\
         --config configs/tiny.py --workdir /tmp/run [launcher flags and --config.KEY=VALUE ...]
 
-Every argument other than the supervisor's own goes to `python -m angel_jax.launch`. The child
-resumes from the newest readable checkpoint by itself, so a restart is just a new launch. What
-ends the child decides what happens next:
+Every argument other than the supervisor's own goes to `python -m angel_jax.launch`. The
+launcher's whole command line may follow the supervisor's flags instead, run as given (from its
+first word that is not a flag, or after `--`):
+
+    python -m angel_jax.supervise --max-restarts 3 \\
+        python -m angel_jax.launch --config configs/tiny.py --workdir /tmp/run
+
+The child resumes from the newest readable checkpoint by itself, so a restart is just a new
+launch. What ends the child decides what happens next:
 
 - exit 0: training finished; the supervisor exits 0.
-- exit 2 (bad config or input), 4 (diverged: anomalies beyond config.monitor's bounds) or 5
-  (out of device or host memory): a restart would fail the same way; the supervisor exits with
-  that status.
+- exit 2 (bad config or input, or the workdir held by another run), 4 (diverged: anomalies
+  beyond config.monitor's bounds), 5 (out of device or host memory) or 6 (a checkpoint could
+  not be written: the disk full): a restart would fail the same way; the supervisor exits
+  with that status.
 - anything else (a signal such as SIGKILL or SIGSEGV, an exception, exit 3 from the hang
   watchdog): an incident. It is appended to `WORKDIR/incidents.jsonl` (time, attempt, how the
   child ended, its last stderr lines, the checkpoint before and after) and the child is
@@ -35,17 +42,40 @@ import threading
 import time
 
 # As angel_jax.launch and angel_jax.monitor.
-EXIT_CONFIG, EXIT_HANG, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY = 2, 3, 4, 5
+EXIT_CONFIG, EXIT_HANG, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY, EXIT_SAVE_FAILED = 2, 3, 4, 5, 6
 FINAL = {
     0: "finished",
     EXIT_CONFIG: "bad config or input",
     EXIT_DIVERGED: "diverged",
     EXIT_OUT_OF_MEMORY: "out of memory",
+    EXIT_SAVE_FAILED: "a checkpoint could not be written",
     130: "stopped by SIGINT, its step saved",  # 128 + signal: angel_jax.monitor.Stopped.
     143: "stopped by SIGTERM, its step saved",
 }
 TAIL_LINES = 30
 TERM_GRACE_S = 30.0  # Between SIGTERM and SIGKILL when the supervisor is stopped.
+
+
+OWN_FLAGS = ("--max-restarts", "--restart-delay-s")
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the supervisor's arguments, a whole command to run): the command follows the
+    supervisor's own flags, after `--` or from the first word that is not a flag; None when the
+    arguments are the launcher's flags."""
+    i = 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if argv[i] in ("-h", "--help") or (flag in OWN_FLAGS and "=" in argv[i]):
+            i += 1
+        elif flag in OWN_FLAGS:
+            i += 2  # The flag and its value.
+        else:
+            break
+    rest = argv[i + 1 :] if argv[i : i + 1] == ["--"] else argv[i:]
+    if rest and not rest[0].startswith("-"):
+        return argv[:i], rest
+    return argv[:i] + rest, None
 
 
 def latest_checkpoint(workdir: pathlib.Path) -> int | None:
@@ -175,19 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--restart-delay-s", type=float, default=10.0, help="pause before each restart"
     )
-    args, launch_args = parser.parse_known_args(argv)
+    own, command = split_command(sys.argv[1:] if argv is None else list(argv))
+    args, launch_args = parser.parse_known_args(own)
     workdir = argparse.ArgumentParser(add_help=False)
     workdir.add_argument("--workdir")
-    known, _ = workdir.parse_known_args(launch_args)
+    known, _ = workdir.parse_known_args(command or launch_args)
     if not known.workdir or args.max_restarts < 0 or args.restart_delay_s < 0:
         print(
             "error: supervise needs the launcher's --workdir (and --max-restarts, "
             "--restart-delay-s >= 0); usage: python -m angel_jax.supervise [--max-restarts N] "
-            "--config FILE --workdir DIR [...]",
+            "[python -m angel_jax.launch] --config FILE --workdir DIR [...]",
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    supervisor = Supervisor(launch_args, known.workdir, args.max_restarts, args.restart_delay_s)
+    supervisor = Supervisor(
+        launch_args, known.workdir, args.max_restarts, args.restart_delay_s, command
+    )
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     return supervisor.run()

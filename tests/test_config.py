@@ -53,22 +53,23 @@ def test_loaded_config_is_locked():
         config.train.stpes = 3
 
 
-@pytest.mark.parametrize("text", ["true", "True", "TRUE", "1", "yes"])
+@pytest.mark.parametrize("text", ["true", "True", "TRUE", "1"])
 def test_bool_true(text):
     config = override(f"--config.model.tie_embeddings={text}")
     assert config.model.tie_embeddings is True
 
 
-@pytest.mark.parametrize("text", ["false", "False", "0", "no"])
+@pytest.mark.parametrize("text", ["false", "False", "0"])
 def test_bool_false(text):
     config = override("--config.model.tie_embeddings=true", f"--config.model.tie_embeddings={text}")
     assert config.model.tie_embeddings is False
 
 
-def test_bool_rejects_other_words():
+@pytest.mark.parametrize("text", ["maybe", "yes", "no"])
+def test_bool_rejects_other_words(text):
     with pytest.raises(ConfigError) as e:
-        override("--config.data.synthetic=maybe")
-    assert "--config.data.synthetic=maybe" in str(e.value)
+        override(f"--config.data.synthetic={text}")
+    assert f"--config.data.synthetic={text}" in str(e.value)
     assert "true or false" in str(e.value)
 
 

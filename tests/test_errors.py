@@ -8,6 +8,7 @@ and restore round trip, and damaged checkpoints reported as one line naming the 
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,11 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from angel_jax.checkpoint import Checkpointer
+from angel_jax import machine
+from angel_jax.checkpoint import Checkpointer, SaveFailed
 from angel_jax.config import ConfigError, default_config, load_config
 from angel_jax.data import ByteTokenizer
-from angel_jax.data.tokens import save_token_file
+from angel_jax.data.prepare import prepare
+from angel_jax.data.tokens import TokenFile, load_tokenizer, save_token_file
+from angel_jax.generate import main as generate_main
+from angel_jax.lock import hold_workdir
 from angel_jax.mesh import make_mesh, mesh_shape
+from angel_jax.monitor import EXIT_SAVE_FAILED
+from angel_jax.offload.tiers import measured_budget
 from angel_jax.sharding import axis_rules
 from angel_jax.train import build
 
@@ -484,3 +491,170 @@ def test_cpu_plan_is_checked_against_the_compiled_step_before_allocating():
     exp = tiny(rows)  # The planner lets it through...
     with pytest.raises(ConfigError, match=r"the compiled train step needs .* GiB usable"):
         _ = exp.train_step  # ...and the compiled step is refused before anything is allocated.
+
+
+# --- the workdir: one run at a time, a disk that fills ------------------------------------
+
+
+def test_a_second_run_on_a_held_workdir_exits_2_naming_the_holder(tmp_path):
+    """A job submitted twice once ran twice in one workdir, interleaving its metrics and
+    checkpoints; the second now stops before it writes anything."""
+    with hold_workdir(str(tmp_path)):
+        result = launch(tmp_path)
+    assert result.returncode == 2
+    assert_one_line_error(result, "--workdir", "in use by another run", f"pid {os.getpid()}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path):
+    """A read-only workdir once gave a traceback (the lock's file stands for any file there
+    that cannot be written: root writes into read-only directories)."""
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(ConfigError, match=r"--workdir .*: cannot write there \(Is a directory"):
+        with hold_workdir(str(tmp_path)):
+            pass
+
+
+def test_a_killed_run_leaves_its_workdir_free(tmp_path):
+    code = (
+        "import os, signal, sys\n"
+        "from angel_jax.lock import hold_workdir\n"
+        "with hold_workdir(sys.argv[1]):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, env=CLI_ENV)
+    assert killed.wait(timeout=60) == -9
+    assert f"pid {killed.pid}" in (tmp_path / ".lock").read_text()  # It held the workdir.
+    with hold_workdir(str(tmp_path)):
+        assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
+
+
+def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(trained, tmp_path):
+    """A write refused mid-save (the kernel's file-size limit: a full disk refuses the same
+    way) once printed 471 lines and trained to the end; now: one line naming the checkpoint,
+    its disk's free space and the last good checkpoint, an exit status supervise does not
+    restart, and the last good checkpoint still the latest."""
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)  # Saved at step 2.
+    every = ["--config.checkpoint.every_steps=2", "--config.data.synthetic=true"]
+    limited = (  # The file-size limit below the arrays' files, set in the launcher's process.
+        "import resource, runpy, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "sys.argv[0] = 'angel_jax.launch'\n"
+        "runpy.run_module('angel_jax.launch', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in CLI_ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    result = subprocess.run(
+        [sys.executable, "-c", limited, "--config", "configs/tiny.py"]
+        + ["--workdir", str(tmp_path), *SMALL, *every, "--config.train.steps=6"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == EXIT_SAVE_FAILED, result.stderr
+    assert "Traceback" not in result.stderr and "orbax" not in result.stderr.split("error:")[0]
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    checkpoints = tmp_path / "checkpoints"
+    assert error.startswith(f"error: saving checkpoint {checkpoints / '4'} failed (File too large)")
+    assert "free on its disk" in error
+    assert f"the last good checkpoint, {checkpoints / '2'}, is intact" in error
+    # The save's failure is known when its writes end, steps later (it runs beside them):
+    # the run stops there, and saves nothing after it.
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name[0].isdigit())[-1] != "6"
+    assert "saving step 4 failed" in (tmp_path / "orbax.log").read_text()
+    exp = small_experiment("--config.data.synthetic=true")
+    ckpt = Checkpointer(str(tmp_path), every_steps=2, keep=3)
+    assert ckpt.latest_step() == 2
+    state, _ = ckpt.restore(2, exp.abstract_state)
+    ckpt.close()
+    assert int(state.step) == 2
+
+
+def test_a_checkpoint_larger_than_the_free_space_is_refused_before_it_is_written(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1)
+    free = shutil.disk_usage(tmp_path).free
+    fits = {"w": jax.ShapeDtypeStruct((free // 8,), jnp.float32)}  # Half the free space.
+    ckpt.check_space(fits)
+    too_large = {"w": jax.ShapeDtypeStruct((free // 4 + 1,), jnp.float32)}
+    with pytest.raises(SaveFailed, match=r"the next checkpoint needs .* GiB free; free space"):
+        ckpt.check_space(too_large)
+    ckpt.close()
+
+
+def test_a_changed_model_resumes_to_one_line(trained, tmp_path):
+    """Once 60 to 1,365 lines of orbax's abandoned reads followed the error line; they go to
+    the workdir's orbax.log."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir)
+    result = launch(workdir, "--config.data.synthetic=true", "--config.model.d_model=256")
+    assert_one_line_error(result, "none of the checkpoints", "If the model config changed")
+    assert "not compatible" in (workdir / "orbax.log").read_text()
+
+
+def test_emulated_cpu_devices_share_the_hosts_memory():
+    """Eight emulated devices each planned against the whole RAM let through a batch that
+    needed twice the machine's memory."""
+    config = load_config(TINY, [])
+    budget = measured_budget(config, make_mesh(config.mesh))
+    assert jax.device_count() == 8
+    assert 8 * budget["device"] <= machine.host_available() * 1.05  # RAM moves a little.
+    one = measured_budget(config, make_mesh(config.mesh, jax.devices()[:1]))
+    assert one["device"] > 4 * budget["device"]
+
+
+def test_generate_names_a_wrong_checkpoint_path_in_one_line_and_creates_nothing(
+    trained, tmp_path, capsys
+):
+    """A missing directory, a run without checkpoints and one checkpoint's directory once
+    gave the error and 42 lines of orbax's futures, and created PATH/checkpoints/."""
+    (tmp_path / "empty").mkdir()
+    step_dir = trained / "checkpoints" / "2"
+    cases = {
+        tmp_path / "missing": "no such directory",
+        tmp_path / "empty": "no checkpoint there",
+        step_dir: f"is one checkpoint's directory; pass the run's workdir, {trained}",
+    }
+    before = sorted(str(p) for p in trained.rglob("*"))
+    for path, says in cases.items():
+        argv = ["--config", TINY, "--checkpoint", str(path), "--prompt-tokens", "1,2"]
+        assert generate_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --checkpoint {path}"), err
+        assert says in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert not any((tmp_path / "empty").iterdir())
+    assert sorted(str(p) for p in trained.rglob("*")) == before
+
+
+# --- messages that named the wrong cause ------------------------------------------------
+
+
+def test_data_and_prepare_inputs_are_named_for_what_they_are(tmp_path):
+    (tmp_path / "zero.npy").write_bytes(b"")
+    (tmp_path / "noise.bin").write_bytes(np.random.default_rng(0).bytes(100_000))
+    (tmp_path / "text.txt").write_text("héllo wörld\n")
+    cases = [
+        (lambda: TokenFile(str(tmp_path)), f"config.data.path={tmp_path} is a directory"),
+        (lambda: TokenFile(str(tmp_path / "zero.npy")), "not a .npy token array"),
+        (lambda: load_tokenizer(str(tmp_path / "none.json")), "no such file"),
+        (lambda: prepare([str(tmp_path)], str(tmp_path / "o.npy")), "is a directory"),
+        (lambda: prepare([str(tmp_path / "noise.bin")], str(tmp_path / "o.npy")), "not text"),
+    ]
+    for make, says in cases:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            make()
+    assert prepare([str(tmp_path / "text.txt")], str(tmp_path / "o.npy"))["tokens"] == 15
+
+
+def test_a_mesh_short_of_the_flags_devices_says_jax_started_before_them(monkeypatch):
+    """A notebook that imported jax before setting XLA_FLAGS got "multiply to 8, but there
+    are 1 devices" and no hint why."""
+    assert len(jax.devices()) == 8  # JAX has started, with the conftest's flags.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+    with pytest.raises(ConfigError, match="JAX had started before it was set"):
+        make_mesh(mesh_config(data=16))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.raises(ConfigError) as e:
+        make_mesh(mesh_config(data=16))
+    assert "XLA_FLAGS" not in str(e.value)

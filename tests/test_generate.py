@@ -183,9 +183,11 @@ def test_greedy_generation_of_imported_gpt2_matches_transformers(tmp_path):
 
 
 def _generate_cli(monkeypatch, capsys, *args: str) -> str:
-    """generate's command line on configs/tiny.py (1 layer) with random params."""
+    """generate's command line on configs/tiny.py (1 layer, the byte tokenizer's 257 ids:
+    random weights over more emit ids it cannot decode, refused) with random params."""
     monkeypatch.setattr(generate, "load_params_for", lambda exp, checkpoint: random_params(exp))
-    argv = ["--config", "configs/tiny.py", "--steps", "4", "--config.model.num_layers=1", *args]
+    argv = ["--config", "configs/tiny.py", "--steps", "4", "--config.model.num_layers=1"]
+    argv += ["--config.model.vocab_size=257", *args]
     assert generate.main(argv) == 0
     return capsys.readouterr().out.strip()
 
@@ -209,9 +211,9 @@ def test_text_prompt_through_a_hugging_face_tokenizer(monkeypatch, capsys, tmp_p
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = ("--tokenizer", str(tmp_path / "tokenizer.json"))
+    tokenizer = ("--tokenizer", str(tmp_path / "tokenizer.json"), "--config.model.vocab_size=4")
     text = _generate_cli(monkeypatch, capsys, "--prompt", "hello world", *tokenizer)
-    ids = _generate_cli(monkeypatch, capsys, "--prompt-tokens", "1,2").split(",")
+    ids = _generate_cli(monkeypatch, capsys, "--prompt-tokens", "1,2", *tokenizer[2:]).split(",")
     assert text == tok.decode([int(i) for i in ids]) and text.startswith("hello world")
 
 

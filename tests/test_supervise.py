@@ -112,6 +112,7 @@ def test_crash_then_success(tmp_path, monkeypatch):
         (2, "bad config or input"),
         (4, "diverged"),
         (5, "out of memory"),
+        (6, "a checkpoint could not be written"),
         (130, "stopped by SIGINT, its step saved"),
         (143, "stopped by SIGTERM, its step saved"),
     ],
@@ -123,8 +124,8 @@ def test_no_restart_when_a_restart_cannot_help(tmp_path, capsys, code, what):
 
 
 def test_exit_codes_agree_with_the_launcher():
-    ours = (supervise_lib.EXIT_HANG, supervise_lib.EXIT_DIVERGED, supervise_lib.EXIT_OUT_OF_MEMORY)
-    assert ours == (monitor.EXIT_HANG, monitor.EXIT_DIVERGED, monitor.EXIT_OUT_OF_MEMORY)
+    names = ("EXIT_HANG", "EXIT_DIVERGED", "EXIT_OUT_OF_MEMORY", "EXIT_SAVE_FAILED")
+    assert [getattr(supervise_lib, n) for n in names] == [getattr(monitor, n) for n in names]
 
 
 def test_help_keeps_the_list_of_exit_statuses(capsys):
@@ -132,3 +133,13 @@ def test_help_keeps_the_list_of_exit_statuses(capsys):
         supervise_lib.main(["--help"])
     out = capsys.readouterr().out
     assert "\n- exit 0: training finished" in out and "\n- anything else" in out
+
+
+@pytest.mark.parametrize("dashes", [[], ["--"]])
+def test_runs_a_whole_command_line_after_its_own_flags(tmp_path, capsys, monkeypatch, dashes):
+    # `python -m angel_jax.launch ...` given whole is run as given, not passed to the launcher
+    # as its flags (which refused -m); here a stand-in that ends as a diverged run does.
+    monkeypatch.setattr(supervise_lib.signal, "signal", lambda *args: None)
+    command = [sys.executable, "-c", "raise SystemExit(4)", "--workdir", str(tmp_path)]
+    assert supervise_lib.main(["--max-restarts", "1", *dashes, *command]) == 4
+    assert "the child ended: diverged (exit 4); not restarting" in capsys.readouterr().err

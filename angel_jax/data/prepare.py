@@ -12,15 +12,29 @@ import sys
 from angel_jax.config import ConfigError
 from angel_jax.data.tokens import encode_documents, load_tokenizer, save_token_file
 
+BINARY_SHARE = 0.01  # Undecodable or zero bytes beyond this share: not a text file.
+
 
 def prepare(inputs: list[str], out: str, tokenizer_path: str | None = None) -> dict:
     tokenizer = load_tokenizer(tokenizer_path)
     texts = []
     for name in inputs:
         path = pathlib.Path(name)
+        if path.is_dir():
+            raise ConfigError(
+                f"prepare: input {name} is a directory; give its text files (e.g. {name}/*.txt)"
+            )
         if not path.is_file():
             raise ConfigError(f"prepare: input {name} does not exist; give text files to tokenize")
-        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        raw = path.read_bytes()
+        text = raw.decode("utf-8", errors="replace")
+        # Tokenized anyway, a binary file is noise the model learns: refuse it by name.
+        if raw and text.count("\ufffd") + raw.count(0) > BINARY_SHARE * len(raw):
+            raise ConfigError(
+                f"prepare: input {name} is not text (over {BINARY_SHARE:.0%} of its bytes are "
+                "not UTF-8 or are zero); give text files"
+            )
+        texts.append(text)
     tokens = encode_documents(texts, tokenizer)
     try:
         save_token_file(out, tokens, tokenizer)

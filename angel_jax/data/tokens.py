@@ -33,14 +33,14 @@ class HFTokenizer:
     """A local Hugging Face `tokenizer.json` (needs the `tokenizers` package)."""
 
     def __init__(self, path: str):
+        if not pathlib.Path(path).is_file():  # Before the package: the file is the cause.
+            raise ConfigError(f"--tokenizer {path}: no such file; give a tokenizer.json")
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError(
                 f"--tokenizer {path}: needs the 'tokenizers' package; pip install tokenizers"
             ) from None
-        if not pathlib.Path(path).is_file():
-            raise ConfigError(f"--tokenizer {path}: no such file; give a tokenizer.json")
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own error types for bad files.
@@ -92,6 +92,11 @@ class TokenFile:
             )
         file = pathlib.Path(path)
         meta_file = file.with_suffix(".json")
+        if file.is_dir():
+            raise ConfigError(
+                f"config.data.path={path} is a directory; give its token file (.npy), made by "
+                "`python -m angel_jax.data.prepare --out FILE.npy TEXT_FILES...`"
+            )
         if not file.is_file():
             raise ConfigError(
                 f"config.data.path={path}: no such token file; create one with "
@@ -101,7 +106,7 @@ class TokenFile:
         try:
             self.tokens = np.load(file, mmap_mode="r")
             self.meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-        except (ValueError, OSError, json.JSONDecodeError) as e:
+        except (ValueError, OSError, EOFError, json.JSONDecodeError) as e:  # EOF: 0 bytes.
             # numpy's own text (about pickles for a text file) would mislead: name the kind.
             what = (
                 f"{meta_file.name} is not JSON"

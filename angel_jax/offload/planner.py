@@ -793,7 +793,7 @@ def make_plan(
         pool = pool_arrays(config, held, chunks, offloaded_masters, opt, stacked)
         local = max(1, mesh.size // jax.process_count())
         setting = tiers.pool_advice(dataclasses.replace(held, pool=pool), local)
-    fixes = [*tiers.pool_fixes(short, setting=setting), "more devices"]
+    fixes = [*tiers.pool_fixes(short, setting=setting), more_devices()]
     if config.zero_stage < 3:
         fixes += ["ZeRO-3 (config.zero_stage=3)"]
     fixes += ["gradient accumulation (config.train.microbatches)", "a smaller model or batch"]
@@ -970,6 +970,17 @@ def compiled_peak(plan: Plan, temp_bytes: int) -> int:
     return dataclasses.replace(plan, state_bytes=compiled).tier_bytes(DEVICE)
 
 
+def more_devices() -> str:
+    """The fix "more devices", but for emulated CPU devices, which share one host's memory
+    (`tiers.measured_budget`): there fewer devices give each more."""
+    if machine.backend() == "cpu" and jax.local_device_count() > 1:
+        return (
+            f"fewer emulated CPU devices (the {jax.local_device_count()} of "
+            "--xla_force_host_platform_device_count share this host's memory)"
+        )
+    return "more devices"
+
+
 def check_compiled(plan: Plan, memory) -> int:
     """Refuses, before the state is allocated, a plan whose compiled step would not fit the
     device: the plan's peak (`Plan.tier_bytes`) with what XLA allocates beyond the program's
@@ -990,7 +1001,7 @@ def check_compiled(plan: Plan, memory) -> int:
             fixes += ["config.offload.activations=host (with remat)"]
         if plan.remat != "full":
             fixes += ["more remat (config.model.remat=auto or full)"]
-        fixes += ["a smaller batch or model", "more devices"]
+        fixes += ["a smaller batch or model", more_devices()]
         raise CompiledTooLarge(
             f"the compiled train step needs {need / 2**30:.1f} GiB per device "
             f"({memory.temp_size_in_bytes / 2**30:.1f} GiB of it XLA temporaries, against an "

@@ -25,8 +25,11 @@ USABLE = 0.95
 
 
 def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
-    """Bytes per device for each tier: configured, else measured."""
+    """Bytes per device for each tier: configured, else measured. Emulated CPU devices
+    (--xla_force_host_platform_device_count) share the one host's memory, so each gets its
+    share of it."""
     o = config.offload
+    local_devices = max(1, mesh.size // jax.process_count())
     if o.device_gib > 0:
         device = int(o.device_gib * 2**30)
     else:
@@ -38,9 +41,8 @@ def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
                 f"the {first.platform} device allocator reports no memory limit: set "
                 "config.offload.device_gib to the device memory the plan may use"
             )
-        device = device or machine.host_available()  # CPU: host RAM.
+        device = device or machine.host_available() // local_devices  # CPU: a share of RAM.
     host = host_budget(int(o.host_gib * 2**30) if o.host_gib > 0 else machine.host_available())
-    local_devices = max(1, mesh.size // jax.process_count())
     budget = {DEVICE: device, HOST: host // local_devices}
     if o.ssd_dir:
         if o.ssd_gib > 0:
