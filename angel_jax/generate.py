@@ -204,9 +204,10 @@ def trained_length(config) -> tuple[int, str]:
     return length
 
 
-def load_params_for(exp, checkpoint: str | None):
+def load_params_for(exp, checkpoint: str | None, masters: bool = False):
     """Params for generation: the latest of our checkpoints in the workdir `checkpoint`, or the
-    Hugging Face checkpoint at config.init_from_hf."""
+    Hugging Face checkpoint at config.init_from_hf. With `masters`, an offloaded run's float32
+    masters (as numpy arrays; what an export writes) instead of its compute copy."""
     if checkpoint:
         from angel_jax.checkpoint import Checkpointer
 
@@ -219,6 +220,8 @@ def load_params_for(exp, checkpoint: str | None):
         if found is None:
             raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there")
         state = exp.from_checkpointed(found.state)
+        if exp.offloaded and masters:
+            return exp.params_numpy(state)
         if exp.offloaded:  # The masters are in host memory, per layer: take the compute copy.
             device = lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
             return jax.tree.map(device, state.compute_params)

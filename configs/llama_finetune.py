@@ -12,8 +12,12 @@ tokenizer. Check the result by eye with
     python -m angel_jax.generate --config configs/llama_finetune.py --checkpoint /tmp/angel-ft \\
         --config.init_from_hf=/path/to/hf_checkpoint --prompt-tokens 1,450,4996 --steps 32
 
-and hand it back to Hugging Face with angel_jax.interop.llama.save_params. On a CPU, a small
-checkpoint works with --config.model.dtype=float32 --config.train.seq_len=64.
+and hand it back to Hugging Face with
+
+    python -m angel_jax.export --config configs/llama_finetune.py --checkpoint /tmp/angel-ft \
+        --config.init_from_hf=/path/to/hf_checkpoint --out /tmp/angel-ft-hf
+
+On a CPU, a small checkpoint works with --config.model.dtype=float32 --config.train.seq_len=64.
 """
 
 from angel_jax.config import default_config

@@ -1,4 +1,5 @@
-"""The floors of ARCHITECTURE.md, read from the sources' imports: what may import what."""
+"""The floors of docs/design/architecture.md, read from the sources' imports: what may import
+what."""
 
 import ast
 import pathlib
@@ -72,8 +73,8 @@ def test_generation_covers_the_families_with_a_kv_cache_layer():
 
 
 def test_training_imports_no_hugging_face_reader():
-    """The quick start installs requirements.txt only, which has no safetensors: the trainer
-    reaches the Hugging Face readers lazily, when a config names a checkpoint."""
+    """The trainer and the generator reach the Hugging Face readers (safetensors) lazily, only
+    when a config names a checkpoint: a run that names none imports none of it."""
     code = "import sys, angel_jax.loop, angel_jax.generate; print('safetensors' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -5,12 +5,13 @@ then receives only its block of every param (`jax.device_put` with the training 
 """
 
 import pathlib
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from angel_jax.config import ConfigError
-from angel_jax.interop.hf import DEFAULT_SHARD_BYTES, write_checkpoint
+from angel_jax.interop.hf import DEFAULT_SHARD_BYTES, numpy_dtype, write_checkpoint
 
 
 def place(params, abstract_params, shardings, setting: str, path) -> dict:
@@ -52,6 +53,21 @@ def layer_slices(stacked) -> list:
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
 
 
-def save(path: str | pathlib.Path, config: dict, tensors: dict) -> None:
-    items = ((name, lambda x=x: np.asarray(x, np.float32)) for name, x in tensors.items())
-    write_checkpoint(path, config, items, DEFAULT_SHARD_BYTES)
+def save(
+    path: str | pathlib.Path,
+    config: dict,
+    params,
+    to_hf: Callable[[dict], dict[str, np.ndarray]],
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Writes `params` as the Hugging Face checkpoint of `config` (its config.json), their
+    tensors named and laid out by `to_hf` (numpy params -> tensors) and cast to `dtype`."""
+    if "layers" not in params and "encoder" not in params:
+        raise ConfigError(
+            "exporting needs the stacked layer layout; train with config.model.scan_layers=True"
+        )
+    np_dtype = numpy_dtype(dtype)
+    tensors = to_hf(jax.device_get(params))
+    items = ((name, lambda x=x: np.asarray(x, np_dtype)) for name, x in tensors.items())
+    write_checkpoint(path, dict(config, dtype=dtype), items, max_shard_bytes)

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from angel_jax.interop.classic import layer_slices, place, save, stack_layers
-from angel_jax.interop.hf import Checkpoint
+from angel_jax.interop.hf import DEFAULT_SHARD_BYTES, Checkpoint
 
 
 def model_settings(hf: dict, setting: str = "checkpoint") -> dict:
@@ -51,7 +51,6 @@ def hf_config(model: ml_collections.ConfigDict) -> dict:
         layer_norm_epsilon=model.norm_eps,
         activation_function="gelu_new",
         tie_word_embeddings=True,
-        torch_dtype="float32",
     )
 
 
@@ -143,6 +142,13 @@ def load_params(path: str | pathlib.Path, abstract_params, shardings, setting: s
     return place(params, abstract_params, shardings, setting, path)
 
 
-def save_params(path: str | pathlib.Path, params, model: ml_collections.ConfigDict) -> None:
-    """Writes our params as a Hugging Face GPT-2 checkpoint (float32, GPT2LMHeadModel)."""
-    save(path, hf_config(model), params_to_hf(jax.device_get(params)))
+def save_params(
+    path: str | pathlib.Path,
+    params,
+    model: ml_collections.ConfigDict,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Writes our params as a Hugging Face GPT-2 checkpoint (GPT2LMHeadModel): `dtype` tensors, in
+    shards of at most `max_shard_bytes`."""
+    save(path, hf_config(model), params, params_to_hf, dtype, max_shard_bytes)

@@ -12,6 +12,7 @@ tensor fills which of our params, and how it is transposed.
 
 import functools
 import json
+import os
 import pathlib
 from collections.abc import Callable, Iterable
 
@@ -27,6 +28,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # transformers' own default shard size.
 DEFAULT_SHARD_BYTES = 5 * 2**30
+# What a training workdir holds (loop.py, checkpoint.py), to tell one from a Hugging Face
+# checkpoint: both have a config.json.
+WORKDIR_MARKS = ("checkpoints", "metrics.jsonl")
 
 Index = tuple[slice, ...]
 
@@ -46,9 +50,16 @@ class Checkpoint:
                 "directory (config.json + *.safetensors), e.g. one written by save_pretrained"
             )
         config_file = self.path / CONFIG_FILE
+        self.config: dict = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if "model_type" not in self.config and any((self.path / m).exists() for m in WORKDIR_MARKS):
+            raise ConfigError(
+                f"{setting}={path} is an angel-jax training workdir, not a Hugging Face "
+                f"checkpoint: resume it with --workdir, read it with --checkpoint (generate, "
+                f"export), or export it first: python -m angel_jax.export --config CONFIG "
+                f"--checkpoint {path} --out DIR"
+            )
         if not config_file.is_file():
             raise ConfigError(f"{setting}={path}: no {CONFIG_FILE} in it; is it a checkpoint?")
-        self.config: dict = json.loads(config_file.read_text())
         self._open: dict[str, object] = {}
 
     @functools.cached_property
@@ -99,6 +110,14 @@ class Checkpoint:
         return np.asarray(tensor[index] if index is not None else tensor[:])
 
 
+def numpy_dtype(dtype: str):
+    """The numpy dtype of an export's `dtype` setting."""
+    found = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}.get(dtype)
+    if found is None:
+        raise ConfigError(f"export dtype {dtype!r}: use float32 or bfloat16")
+    return found
+
+
 def write_checkpoint(
     path: str | pathlib.Path,
     config: dict,
@@ -118,6 +137,8 @@ def write_checkpoint(
         if shard:
             part = path / f".part-{len(written):05d}.safetensors"
             save_file(shard, part, metadata={"format": "pt"})  # transformers wants "pt".
+            # safetensors leaves its file private (0600); a checkpoint is for others to load.
+            os.chmod(part, 0o644)
             written.append(part)
             shard.clear()
 

@@ -19,7 +19,13 @@ import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError, head_dim
-from angel_jax.interop.hf import DEFAULT_SHARD_BYTES, Checkpoint, assemble, write_checkpoint
+from angel_jax.interop.hf import (
+    DEFAULT_SHARD_BYTES,
+    Checkpoint,
+    assemble,
+    numpy_dtype,
+    write_checkpoint,
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
@@ -343,7 +349,5 @@ def save_params(
 ) -> None:
     """Writes our params as a Hugging Face checkpoint (config.json + safetensors) that
     `transformers`' `from_pretrained` loads, one tensor at a time through host memory."""
-    np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}.get(dtype)
-    if np_dtype is None:
-        raise ConfigError(f"export dtype {dtype!r}: use float32 or bfloat16")
-    write_checkpoint(path, hf_config(model, dtype), hf_tensors(params, np_dtype), max_shard_bytes)
+    tensors = hf_tensors(params, numpy_dtype(dtype))
+    write_checkpoint(path, hf_config(model, dtype), tensors, max_shard_bytes)

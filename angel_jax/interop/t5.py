@@ -24,7 +24,7 @@ from angel_jax.interop.classic import (
     stack_layers,
     to_out_in,
 )
-from angel_jax.interop.hf import Checkpoint
+from angel_jax.interop.hf import DEFAULT_SHARD_BYTES, Checkpoint
 
 
 def model_settings(hf: dict, setting: str = "checkpoint") -> dict:
@@ -77,7 +77,6 @@ def hf_config(model: ml_collections.ConfigDict) -> dict:
         feed_forward_proj="relu",
         tie_word_embeddings=True,
         decoder_start_token_id=0,
-        torch_dtype="float32",
     )
 
 
@@ -175,6 +174,13 @@ def load_params(path: str | pathlib.Path, abstract_params, shardings, setting: s
     return place(params, abstract_params, shardings, setting, path)
 
 
-def save_params(path: str | pathlib.Path, params, model: ml_collections.ConfigDict) -> None:
-    """Writes our params as a Hugging Face T5 checkpoint (float32)."""
-    save(path, hf_config(model), params_to_hf(jax.device_get(params)))
+def save_params(
+    path: str | pathlib.Path,
+    params,
+    model: ml_collections.ConfigDict,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Writes our params as a Hugging Face T5 checkpoint: `dtype` tensors, in shards of at
+    most `max_shard_bytes`."""
+    save(path, hf_config(model), params, params_to_hf, dtype, max_shard_bytes)
