@@ -2,32 +2,66 @@
 through the pipeline's schedule, or per data-parallel replica and averaged by PowerSGD.
 Streamed layers' grads stay in host memory (`Gradients.constrain`)."""
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
-from angel_jax.losses import cross_entropy
-from angel_jax.models import family_of
+from angel_jax.family import Pieces
+from angel_jax.losses import TrainingLoss, cross_entropy
 from angel_jax.offload.stream import Space, fetch_f32, layer_chunks, pipelined, regroup
+from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.parallel.pipeline import StageFunctions, pipeline_grads
+from angel_jax.parallel.stage_plan import PipelinePlan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineSetup:
+    """What the pipeline's schedule needs beside the loss: the plan, the family's pieces and
+    its config (the stage layer and the head's loss are applied piece by piece)."""
+
+    plan: PipelinePlan
+    microbatches: int
+    pieces: Pieces
+    model_config: Any
+    z_loss: float
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradSetup:
+    """The layout the grads are made in (`train.build` fills it from the plan)."""
+
+    mesh: Mesh
+    microbatches: int  # config.train.microbatches: accumulated in float32 when > 1.
+    grad_sharding: Any  # The ZeRO grad layout (a prefix of the grads' tree).
+    abstract_params: Any  # The params the grads are of: the compute copy where there is one.
+    stacked: Any  # Per weight: whether it is the layers' stack.
+    streams_params: bool  # Stacked weights' compute copy and grads live in host memory.
+    chunks_in_flight: int  # Streamed layers' sums moved at a time.
+    pipeline: PipelineSetup | None = None
+    powersgd: PowerSGD | None = None
+    powersgd_start_step: int = 0
+    comm_sharding: Any = None  # The PowerSGD state's shardings.
 
 
 class Gradients:
-    """Of an `Experiment` (`exp`): its loss, layout and pipeline plan."""
+    """The grads of `loss` in the layout `setup` says."""
 
-    def __init__(self, exp):
-        self.exp = exp
+    def __init__(self, loss: TrainingLoss, setup: GradSetup):
+        self.loss, self.setup = loss, setup
 
     def loss_and_grads(self, params, batch_BT1: jax.Array):
         """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
         float32 when accumulated over microbatches; streamed layers' grads in host memory
         (stacked, or one array per layer when accumulated)."""
-        if self.exp.pipeline:
+        if self.setup.pipeline:
             return self._pipeline(params, batch_BT1)
-        micro = self.exp.config.train.microbatches
+        micro = self.setup.microbatches
         if micro == 1:
             (_, metrics), grads = self._grad_fn(params, batch_BT1)
             return metrics, self.constrain(grads)
@@ -38,19 +72,19 @@ class Gradients:
 
     @property
     def _grad_fn(self):
-        return jax.value_and_grad(self.exp.loss, has_aux=True)
+        return jax.value_and_grad(self.loss, has_aux=True)
 
     def microbatches(self, batch_BT1: jax.Array) -> jax.Array:
         """The batch as [microbatches, rows / microbatches, length]: microbatch j takes rows j,
         j + microbatches, ... (each device keeps its own rows)."""
-        micro = self.exp.config.train.microbatches
+        micro = self.setup.microbatches
         rows, length = batch_BT1.shape
         return batch_BT1.reshape(rows // micro, micro, length).swapaxes(0, 1)
 
     def zero_sums(self, params, mb):
         """(metrics, grads) sums before the first microbatch (`params` and `mb`, a microbatch,
         as arrays or shapes): zeros, the grads in float32."""
-        shapes = jax.eval_shape(lambda p, b: self.exp.loss(p, b)[1], params, mb)
+        shapes = jax.eval_shape(lambda p, b: self.loss(p, b)[1], params, mb)
         return jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes), self._zeros()
 
     def _add_microbatch(self, params, mb, sums):
@@ -58,9 +92,7 @@ class Gradients:
         of microbatches."""
         (_, metrics), grads = self._grad_fn(params, mb)
         acc_metrics, acc_grads = sums
-        grads = self._accumulate(
-            acc_grads, self.constrain(grads), 1.0 / self.exp.config.train.microbatches
-        )
+        grads = self._accumulate(acc_grads, self.constrain(grads), 1.0 / self.setup.microbatches)
         return jax.tree.map(jnp.add, acc_metrics, metrics), grads
 
     def add_microbatch(self, params, batch_BT1: jax.Array, j: jax.Array, sums):
@@ -72,16 +104,16 @@ class Gradients:
 
     def mean_metrics(self, metrics):
         """Summed microbatch metrics as the batch's means."""
-        return jax.tree.map(lambda m: m / self.exp.config.train.microbatches, metrics)
+        return jax.tree.map(lambda m: m / self.setup.microbatches, metrics)
 
     def _pipeline(self, params, batch_BT1: jax.Array):
         """`loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
         j + m, ... (float32 grads)."""
-        inputs_BT, targets_BT = self.exp._inputs_and_targets(batch_BT1)
-        m = self.exp.config.pipeline.microbatches
+        pipe = self.setup.pipeline
+        inputs_BT, targets_BT = self.loss.inputs_and_targets(batch_BT1)
+        m = pipe.microbatches
         micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
-        cfg, z_loss = self.exp.model_config, self.exp.config.train.z_loss
-        pieces = family_of(self.exp.config.model).pieces
+        cfg, z_loss, pieces = pipe.model_config, pipe.z_loss, pipe.pieces
 
         def head_loss(shared, h_BTD, targets_BT):
             h_BTD = pieces.final_norm(cfg, shared, h_BTD)
@@ -94,24 +126,24 @@ class Gradients:
         )
         shared = {name: p for name, p in params.items() if name != "layers"}
         metrics, layer_grads, shared_grads = pipeline_grads(
-            self.exp.pipeline.schedule,
-            self.exp.pipeline.layout,
+            pipe.plan.schedule,
+            pipe.plan.layout,
             fns,
-            self.exp.mesh,
+            self.setup.mesh,
             params["layers"],
             shared,
             micro(inputs_BT),
             micro(targets_BT),
             sharding.active_spec(("batch", "norm_length", "embed")),
-            jax.tree.map(lambda s: s.spec, self.exp.grad_sharding),
+            jax.tree.map(lambda s: s.spec, self.setup.grad_sharding),
         )
         metrics.pop("objective")
         return metrics, self.constrain({**shared_grads, "layers": layer_grads})
 
     @functools.cached_property
     def streamed(self):
-        """Like `self.exp.stacked`: the weights whose compute copy and grads live in host memory."""
-        return jax.tree.map(lambda s: s and self.exp.plan.streams_params, self.exp.stacked)
+        """Like `setup.stacked`: the weights whose compute copy and grads live in host memory."""
+        return jax.tree.map(lambda s: s and self.setup.streams_params, self.setup.stacked)
 
     def constrain(self, grads):
         """Grads (or their float32 sums) in the ZeRO grad layout; streamed layers' are left
@@ -119,7 +151,7 @@ class Gradients:
         # The shardings' tree is a prefix of `grads`, whose summed streamed leaves are tuples.
         return jax.tree.map(
             lambda s, host, g: g if host else jax.lax.with_sharding_constraint(g, s),
-            self.exp.grad_sharding,
+            self.setup.grad_sharding,
             self.streamed,
             grads,
         )
@@ -133,25 +165,22 @@ class Gradients:
             layer = jnp.zeros(p.shape[1:], jnp.float32)
             return tuple(jax.device_put(layer, Space.Host) for _ in range(p.shape[0]))
 
-        abstract = self.exp.abstract_state.compute_params
-        if abstract is None:
-            abstract = self.exp.abstract_state.params
-        return self.constrain(jax.tree.map(zeros, abstract, self.streamed))
+        return self.constrain(jax.tree.map(zeros, self.setup.abstract_params, self.streamed))
 
     def _accumulate(self, acc, grads, scale: float):
         """acc + scale * grads in float32; streamed layers' sums stay in host memory, a layer
         at a time on the device."""
-        if not self.exp.plan.streams_params:
+        if not self.setup.streams_params:
             return self.constrain(
                 jax.tree.map(lambda a, g: a + g.astype(jnp.float32) * scale, acc, grads)
             )
-        chunks, layers, treedef = layer_chunks(grads, acc, stacked=self.exp.stacked)
+        chunks, layers, treedef = layer_chunks(grads, acc, stacked=self.setup.stacked)
         dest = [Space.Host if n else Space.Device for n in layers for _ in range(n or 1)]
 
         def add(k, g, a):
             return (jax.device_put(fetch_f32(a) + fetch_f32(g) * scale, dest[k]),)
 
-        done = pipelined(add, [c[1:] for c in chunks], self.exp.config.offload.chunks_in_flight)
+        done = pipelined(add, [c[1:] for c in chunks], self.setup.chunks_in_flight)
         return self.constrain(regroup(done, layers, treedef)[0])
 
     def powersgd(self, state, batch_BT1: jax.Array):
@@ -160,20 +189,24 @@ class Gradients:
         instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early grads
         are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
         grad_fn = self._grad_fn
-        start = self.exp.config.train.powersgd_start_step
+        start, powersgd, stacked = (
+            self.setup.powersgd_start_step,
+            self.setup.powersgd,
+            self.setup.stacked,
+        )
 
         def per_replica(step, params, comm, batch):
             with sharding.no_rules():
                 (_, metrics), grads = grad_fn(params, batch)
-            compressed = lambda: self.exp.powersgd.average(grads, comm, self.exp.stacked)
+            compressed = lambda: powersgd.average(grads, comm, stacked)
             exact = lambda: (jax.lax.pmean(grads, "data"), comm)
             grads, comm = jax.lax.cond(step >= start, compressed, exact)
             return jax.lax.pmean(metrics, "data"), grads, comm
 
-        comm_specs = jax.tree.map(lambda s: s.spec, self.exp.state_sharding.comm)
+        comm_specs = jax.tree.map(lambda s: s.spec, self.setup.comm_sharding)
         return jax.shard_map(
             per_replica,
-            mesh=self.exp.mesh,
+            mesh=self.setup.mesh,
             in_specs=(P(), P(), comm_specs, P("data")),
             out_specs=(P(), P(), comm_specs),
             check_vma=False,

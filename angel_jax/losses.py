@@ -10,11 +10,13 @@ span    the T5 decoder's loss on the targets (teacher-forced: decoder inputs are
 Each is a mean over the predicted tokens of the batch (of the microbatch, when accumulating).
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from angel_jax import sharding
 from angel_jax.config import objective
@@ -109,3 +111,62 @@ def objective_loss(model, config: ml_collections.ConfigDict, params, rows_BW):
         decoder_segment_ids=target_segments,
     )
     return (*weighted_cross_entropy(logits, targets, target_segments > 0, z_loss), extra)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainingLoss:
+    """The loss the gradient code differentiates, `(params, rows) -> (loss, metrics)`: the
+    objective's (data/objectives.py rows), or next-token loss over token windows (whole, or
+    over `logits_chunks` sequence slices through `lm_head`), plus a mixture of experts' router
+    losses. Made once by `train.build` and given to `grads.Gradients`."""
+
+    model: object  # The Flax module.
+    config: ml_collections.ConfigDict
+    logits_chunks: int
+    lm_head: Callable  # params -> (hidden (B, T, D) -> logits (B, T, V)), for the slices.
+    # Ring attention's zigzag order of a length's positions (a mean is blind to the order of
+    # its terms), or None.
+    order: Callable[[int], np.ndarray] | None
+    has_experts: bool
+
+    def inputs_and_targets(self, tokens_BT1: jax.Array):
+        inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+        if self.order is not None:
+            order = self.order(inputs_BT.shape[1])
+            inputs_BT, targets_BT = inputs_BT[:, order], targets_BT[:, order]
+        return inputs_BT, targets_BT
+
+    def __call__(self, params, tokens_BT1: jax.Array):
+        if objective(self.config) != "causal" or self.config.data.packing:
+            loss, metrics, variables = objective_loss(self.model, self.config, params, tokens_BT1)
+            return self._with_router_losses(loss, metrics, variables)
+        inputs_BT, targets_BT = self.inputs_and_targets(tokens_BT1)
+        z_loss = self.config.train.z_loss
+        if self.logits_chunks > 1:
+            h_BTD, moe = self.model.apply(
+                {"params": params}, inputs_BT, hidden=True, mutable="intermediates"
+            )
+            head = self.lm_head(params)
+            loss, metrics = chunked_cross_entropy(
+                h_BTD, head, targets_BT, z_loss, self.logits_chunks
+            )
+            return self._with_router_losses(loss, metrics, moe)
+        logits, moe = self.model.apply({"params": params}, inputs_BT, mutable="intermediates")
+        loss, metrics = cross_entropy(logits, targets_BT, z_loss)
+        return self._with_router_losses(loss, metrics, moe)
+
+    def _with_router_losses(self, loss, metrics, variables):
+        """Adds a mixture of experts' router losses (weighted) to the loss, and to the metrics
+        their values and the share of dropped assignments, averaged over the layers."""
+        if not self.has_experts:
+            return loss, metrics
+        (stats,) = variables["intermediates"]["moe"]
+        m = self.config.model
+        z, balance = jnp.mean(stats["router_z_loss"]), jnp.mean(stats["load_balance_loss"])
+        assignments = jnp.sum(stats["expert_load"])
+        metrics.update(
+            router_z_loss=z,
+            load_balance_loss=balance,
+            dropped_fraction=jnp.sum(stats["dropped"]) / jnp.maximum(assignments, 1.0),
+        )
+        return loss + m.router_z_loss * z + m.load_balance_loss * balance, metrics

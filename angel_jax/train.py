@@ -19,9 +19,8 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 
 from angel_jax import machine, sharding
-from angel_jax.config import objective
-from angel_jax.grads import Gradients
-from angel_jax.losses import chunked_cross_entropy, cross_entropy, objective_loss
+from angel_jax.grads import Gradients, GradSetup, PipelineSetup
+from angel_jax.losses import TrainingLoss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
 from angel_jax.offload import planner
 from angel_jax.offload.planner import CompiledTooLarge, Plan, may_update_between_microbatches
@@ -135,51 +134,45 @@ class Experiment:
         """Re-derives what `checkpointed` left out (`OffloadedState.from_checkpointed`)."""
         return self.offloaded.from_checkpointed(state) if self.offloaded else state
 
-    def _inputs_and_targets(self, tokens_BT1: jax.Array):
-        inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-        if self.mesh.shape["context"] > 1:  # Ring attention's zigzag order (a mean is blind
-            # to the order of its terms).
-            order = zigzag_order(inputs_BT.shape[1], self.mesh.shape["context"])
-            inputs_BT, targets_BT = inputs_BT[:, order], targets_BT[:, order]
-        return inputs_BT, targets_BT
-
-    def loss(self, params, tokens_BT1: jax.Array):
-        if objective(self.config) != "causal" or self.config.data.packing:
-            # Rows of the objective's fields (data/objectives.py), not plain token windows.
-            loss, metrics, variables = objective_loss(self.model, self.config, params, tokens_BT1)
-            return self._with_router_losses(loss, metrics, variables)
-        inputs_BT, targets_BT = self._inputs_and_targets(tokens_BT1)
-        z_loss, chunks = self.config.train.z_loss, self.model_config.logits_chunks
-        if chunks > 1:
-            h_BTD, moe = self.model.apply(
-                {"params": params}, inputs_BT, hidden=True, mutable="intermediates"
-            )
-            lm_head = family_of(self.config.model).pieces.lm_head(self.model_config, params)
-            loss, metrics = chunked_cross_entropy(h_BTD, lm_head, targets_BT, z_loss, chunks)
-            return self._with_router_losses(loss, metrics, moe)
-        logits, moe = self.model.apply({"params": params}, inputs_BT, mutable="intermediates")
-        loss, metrics = cross_entropy(logits, targets_BT, z_loss)
-        return self._with_router_losses(loss, metrics, moe)
-
-    def _with_router_losses(self, loss, metrics, variables):
-        """Adds a mixture of experts' router losses (weighted) to the loss, and to the metrics
-        their values and the share of dropped assignments, averaged over the layers."""
-        if not self.model_config.num_experts:
-            return loss, metrics
-        (stats,) = variables["intermediates"]["moe"]
-        m = self.config.model
-        z, balance = jnp.mean(stats["router_z_loss"]), jnp.mean(stats["load_balance_loss"])
-        assignments = jnp.sum(stats["expert_load"])
-        metrics.update(
-            router_z_loss=z,
-            load_balance_loss=balance,
-            dropped_fraction=jnp.sum(stats["dropped"]) / jnp.maximum(assignments, 1.0),
+    @functools.cached_property
+    def loss(self) -> TrainingLoss:
+        """(params, rows) -> (loss, metrics), what the grads differentiate."""
+        context = self.mesh.shape["context"]
+        order = (lambda length: zigzag_order(length, context)) if context > 1 else None
+        pieces = family_of(self.config.model).pieces
+        return TrainingLoss(
+            self.model,
+            self.config,
+            self.model_config.logits_chunks,
+            lambda params: pieces.lm_head(self.model_config, params),
+            order,
+            bool(self.model_config.num_experts),
         )
-        return loss + m.router_z_loss * z + m.load_balance_loss * balance, metrics
 
     @functools.cached_property
     def grads(self) -> Gradients:
-        return Gradients(self)
+        c = self.config
+        pipeline = None
+        if self.pipeline:
+            pieces = family_of(c.model).pieces
+            pipeline = PipelineSetup(
+                self.pipeline, c.pipeline.microbatches, pieces, self.model_config, c.train.z_loss
+            )
+        compute = self.abstract_state.compute_params
+        setup = GradSetup(
+            mesh=self.mesh,
+            microbatches=c.train.microbatches,
+            grad_sharding=self.grad_sharding,
+            abstract_params=self.abstract_state.params if compute is None else compute,
+            stacked=self.stacked,
+            streams_params=self.plan.streams_params,
+            chunks_in_flight=c.offload.chunks_in_flight,
+            pipeline=pipeline,
+            powersgd=self.powersgd,
+            powersgd_start_step=c.train.powersgd_start_step,
+            comm_sharding=self.state_sharding.comm,
+        )
+        return Gradients(self.loss, setup)
 
     @functools.cached_property
     def steps(self) -> DeviceStep | OffloadedStep:
