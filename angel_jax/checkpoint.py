@@ -122,11 +122,19 @@ class Checkpointer:
         data_index: int,
         offload_policy: str = "none",
         split_masters: bool = False,
+        about: dict | None = None,
     ) -> None:
         """`offload_policy` and `split_masters` name the state's layout: offloaded optimizer
         state is stored per layer (offload/stream.py), and split masters as their low halves
-        beside the compute copy (offload/masters.py), so it restores only under the same."""
+        beside the compute copy (offload/masters.py), so it restores as it is only under the
+        same, and through a `reshard` (`restore`) under another. `about`: what else the
+        checkpoint records for that (JSON: the pipeline's stage layout, the settings that
+        give the state its shapes; `elastic.layout_of`, `elastic.settings_of`).
+
+        `data_index` is global: the next batch of the whole run, whatever the process count
+        (each process reads its rows of batch i, data/loader.py)."""
         meta = {
+            **(about or {}),
             "next_batch_index": data_index,
             "offload_policy": offload_policy,
             "split_masters": split_masters,
@@ -191,15 +199,27 @@ class Checkpointer:
         return f"; the last good checkpoint, {self.directory / str(max(steps))}, is intact"
 
     def restore(
-        self, step: int, abstract_state, offload_policy: str = "none", split_masters: bool = False
+        self,
+        step: int,
+        abstract_state,
+        offload_policy: str = "none",
+        split_masters: bool = False,
+        reshard=None,
     ):
-        """(state, next batch index) saved at `step`, placed as `abstract_state` says."""
+        """(state, next batch index) saved at `step`, placed as `abstract_state` says.
+
+        Without `reshard` the state restores only under the layout it was saved in (orbax
+        reshards it to any mesh). With one (`elastic.Reshard`), a state saved under another
+        layout is read in its own form and converted, and a state of other shapes (a changed
+        model) is one line naming the settings that changed."""
         try:
             meta = self.manager.restore(
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
             ).data
         except Exception as e:
             raise self._unreadable(step, e) from None
+        if reshard is not None:
+            return self._restore_resharded(step, meta, abstract_state, reshard)
         saved_policy = meta.get("offload_policy", "none")
         if saved_policy != offload_policy:
             raise ConfigError(
@@ -228,8 +248,73 @@ class Checkpointer:
             raise self._unreadable(step, e) from None
         return restored.state, int(restored.data["next_batch_index"])
 
+    def _restore_resharded(self, step: int, meta: dict, abstract_state, reshard):
+        """`restore` through `reshard`: as it is when the saved layout has this run's form,
+        else read into host memory in its own form and converted."""
+        saved = {
+            "offload_policy": meta.get("offload_policy", "none"),
+            "split_masters": meta.get("split_masters", False),
+            # Checkpoints from before it was recorded: resumed under the same pipeline.
+            "pipeline": meta.get("pipeline", reshard.layout["pipeline"]),
+        }
+        expected = reshard.saved_target(saved)
+        try:
+            stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+            stored = getattr(stored, "item_metadata", stored)
+        except Exception as e:
+            raise self._unreadable(step, e) from None
+        self._check_shapes(step, meta, stored, expected, reshard.settings)
+        as_is = _same_form(saved, reshard.layout)
+        target = abstract_state if as_is else jax.tree.map(_host_array, expected)
+        try:
+            state = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            ).state
+        except Exception as e:  # Orbax raises many types for damaged files.
+            raise self._unreadable(step, e) from None
+        if not as_is:
+            state = reshard.convert(state, saved)
+        return state, int(meta["next_batch_index"])
+
+    def _check_shapes(self, step: int, meta: dict, stored, expected, settings: dict) -> None:
+        """One line naming the settings that changed when the checkpoint's arrays are not the
+        shapes this run's model has in the saved layout (a ConfigError: every checkpoint of
+        the run would fail alike)."""
+        shapes = lambda tree, is_leaf=None: {
+            k: tuple(v.shape)
+            for k, v in ocp.tree.to_flat_dict(tree, is_leaf=is_leaf).items()
+            if hasattr(v, "shape")
+        }
+        have = shapes(stored, lambda x: hasattr(x, "shape"))
+        want = shapes(expected)
+        if have == want:
+            return
+        saved = meta.get("settings", {})
+        changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
+        where = f"checkpoint {self.directory / str(step)}"
+        if changed:
+            was = ", ".join(f"config.{k}={_value(saved[k])}" for k in changed)
+            now = ", ".join(f"{_value(settings[k])}" for k in changed)
+            fix = " ".join(f"--config.{k}={_value(saved[k])}" for k in changed)
+            raise ConfigError(
+                f"{where} holds a model of other shapes: it was saved with {was} (this run: "
+                f"{now}); resume with {fix}, or pass a new --workdir to start over"
+            )
+        # The same settings (or none recorded): damaged metadata, or an older checkpoint's
+        # other settings; unreadable, so that `restore_latest` may go back past it.
+        first = next(k for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+        reason = (
+            f"its arrays are not this model's shapes: {'/'.join(first)} is "
+            f"{have.get(first, 'absent')} there, {want.get(first, 'absent')} here"
+        )
+        raise self._unreadable(step, ValueError(reason))
+
     def restore_latest(
-        self, abstract_state, offload_policy: str = "none", split_masters: bool = False
+        self,
+        abstract_state,
+        offload_policy: str = "none",
+        split_masters: bool = False,
+        reshard=None,
     ) -> Restored | None:
         """The newest checkpoint that can be read, or None when there is none.
 
@@ -243,7 +328,7 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 state, data_index = self.restore(
-                    step, abstract_state, offload_policy, split_masters
+                    step, abstract_state, offload_policy, split_masters, reshard
                 )
                 error = None
             except UnreadableCheckpoint as e:
@@ -302,6 +387,22 @@ class Checkpointer:
 
 
 SPACE_MARGIN = 1.05  # Orbax's metadata, and room for the disk's own rounding.
+
+
+def _same_form(a: dict, b: dict) -> bool:
+    """Whether two layouts' checkpointed states have one form (orbax reshards between them):
+    offloaded or not, masters split or whole, the same pipeline stage layout."""
+    form = lambda x: (x["offload_policy"] != "none", x["split_masters"], x["pipeline"])
+    return form(a) == form(b)
+
+
+def _host_array(x) -> np.ndarray:
+    """A restore target that orbax reads into host memory, whole."""
+    return np.empty(x.shape, x.dtype)
+
+
+def _value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _write_error(error: Exception) -> str:

@@ -24,7 +24,7 @@ RING_KERNELS = ("auto", "cudnn", "tokamax", "xla")
 # The options of enumerated settings, read by validation and by the modules that run them.
 SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
 ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
-ACTIVATION_TIERS = ("auto", "device", "host")  # offload/planner.py
+ACTIVATION_TIERS = ("auto", "device", "host")  # planning/placement.py
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -82,7 +82,7 @@ def default_config() -> ml_collections.ConfigDict:
     # none | full | dots | dots_no_batch | dots_attention | attention | offload_dots
     # (angel_jax/remat.py), or auto: the fastest of dots_attention, dots_no_batch, attention,
     # full (by what each recomputes at this sequence length) with which the ZeRO-Cache plan
-    # fits, checked against the compiled step on a GPU (angel_jax/offload/planner.py).
+    # fits, checked against the compiled step on a GPU (angel_jax/planning/).
     c.model.remat = "none"
     c.model.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | cudnn | xla.
     # Ring attention's (context axis) block kernels: auto (cuDNN's flash attention where it
@@ -182,9 +182,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.monitor.hang_timeout_s = 1800.0  # No step for this long: dump stacks, exit 3; 0: off.
     c.monitor.first_step_timeout_s = 3600.0  # The same for the first step (restore, compile).
 
-    # ZeRO-Cache: where model states live (angel_jax/offload/planner.py).
+    # ZeRO-Cache: where model states live (angel_jax/planning/placement.py).
     c.offload = ml_collections.ConfigDict()
-    c.offload.policy = "none"  # none | optimizer | params | auto: README "ZeRO-Cache offload".
+    c.offload.policy = "none"  # none | optimizer | params | auto: docs/zero-cache.md "Policies".
     c.offload.device_gib = 0.0  # Memory budget per device; 0: measured.
     c.offload.host_gib = 0.0  # Host memory budget per process; 0: measured (MemAvailable).
     # Each layer's input (what remat keeps for the backward pass): auto (the planner's choice:
@@ -204,22 +204,23 @@ def default_config() -> ml_collections.ConfigDict:
     c.offload.ssd_compress = False  # Optimizer state on disk in bfloat16 (masters stay exact).
     # Hybrid update: this share of the host-memory chunks' parameters is updated by the host's
     # cores (their masters and state in plain host memory) while the device updates the rest.
-    # 0 by default: on the H200 machine every share tried was slower (README, ZeRO-Cache).
+    # 0 by default: every share tried was slower than the device's update alone (offload/cpu.py).
     # -1: picked at startup from the host's and the copies' measured rates (0 if no share pays).
     c.offload.cpu_update = 0.0
     # One-step delayed update (ZeRO-Offload's DPU; off by default, it changes the math): step
     # t's update runs while step t+1's forward/backward does, so step t+1 computes on weights
     # without step t's update. The host cores' share (cpu_update) then runs beside the GPU's
     # compute; of the device's share only its prefetched chunks' copies do, its update kernels
-    # queue behind the step. Slower than the exact update on the H200 (README). A checkpoint
-    # applies the waiting update first (resuming from one gives the same run).
+    # queue behind the step, so without microbatches it hides little and was slower than the
+    # exact update (docs/zero-cache.md "The update"). A checkpoint applies the waiting update
+    # first (resuming from one gives the same run).
     c.offload.delayed_update = False
     # The offloaded update inside the forward/backward's program (exact math, one program a
     # step), for unrolled layers (config.model.scan_layers=false), whose host copies XLA
     # compiles as asynchronous copies it may run beside the compute. Each chunk waits for its
     # grad, and for the global grad norm when the step clips (train.grad_clip) or skips
     # anomalies (monitor.on_anomaly=skip): with either on the update runs after the backward
-    # pass (README "Update inside the step": llama_1b 0.67x `none`'s speed, 0.83x with both off).
+    # pass (docs/zero-cache.md "The update").
     c.offload.update_in_step = False
     # With update_in_step: every chunk is updated as if the step neither clips nor is
     # anomalous, so no chunk waits for the global grad norm and the update can run beside
@@ -228,10 +229,9 @@ def default_config() -> ml_collections.ConfigDict:
     # its norm is read (one sync a step; host memory holds the moved chunks twice during the
     # step, as the plan counts): metrics["update_redone"] says which. A step after one that
     # clipped runs the exact program (compiled beside the speculating one) until a step does
-    # not clip: metrics["speculated"] says which ran. Exact either way. On one H200
-    # (llama_1b unrolled, 32 x 2048): 1.20x the exact update in the step's speed when no
-    # step clips, 0.87x for a speculated step that clips, the exact step's speed after it
-    # (README "Speculative update").
+    # not clip: metrics["speculated"] says which ran. Exact either way. It pays when few steps
+    # clip: a speculated step that clips costs more than an exact one (docs/zero-cache.md
+    # "The update").
     c.offload.speculative_update = False
 
     # Cheaper math and communication (layers/linear.py, parallel/fp8_collectives.py).
@@ -245,13 +245,36 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
-    """Loads `get_config()` from a config file and applies `--config.a.b=value` overrides."""
+def shipped_configs() -> dict[str, pathlib.Path]:
+    """The configs that ship with angel-jax, by name: angel_jax/configs in an installed wheel,
+    the checkout's configs/ otherwise (pyproject.toml maps the one onto the other)."""
+    here = pathlib.Path(__file__).resolve().parent
+    for folder in (here / "configs", here.parent / "configs"):
+        if folder.is_dir():
+            return {f.stem: f for f in sorted(folder.glob("*.py")) if not f.name.startswith("_")}
+    return {}
+
+
+def find_config(path: str) -> pathlib.Path:
+    """The file `--config PATH` names: PATH itself when it exists, else the shipped config that
+    a bare name (`tiny`) or `configs/tiny.py` names, whatever the working directory."""
     file = pathlib.Path(path)
-    if not file.is_file():
-        raise ConfigError(
-            f"--config {path}: no such file; pass a file from configs/, e.g. configs/tiny.py"
-        )
+    if file.is_file():
+        return file
+    shipped = shipped_configs()
+    name = file.name.removesuffix(".py")
+    if file.parent in (pathlib.Path("."), pathlib.Path("configs")) and name in shipped:
+        return shipped[name]
+    raise ConfigError(
+        f"--config {path}: no such file or shipped config; give a config file, e.g. "
+        f"configs/tiny.py, or a shipped config's name: {', '.join(shipped) or 'none installed'}"
+    )
+
+
+def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """Loads `get_config()` from a config file (or a shipped config's name, see `find_config`)
+    and applies `--config.a.b=value` overrides."""
+    file = find_config(path)
     spec = importlib.util.spec_from_file_location(f"angel_config_{file.stem}", file)
     if spec is None:
         raise ConfigError(f"--config {path}: not a Python file; pass a .py file from configs/")

@@ -201,7 +201,9 @@ def export_run(args, overrides: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the run's config file")
+    parser.add_argument(
+        "--config", required=True, help="the run's config: a file or a shipped config's name"
+    )
     parser.add_argument("--checkpoint", required=True, help="the run's workdir (latest checkpoint)")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
     parser.add_argument(

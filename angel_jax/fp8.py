@@ -36,8 +36,8 @@ def row_major(w: jax.Array) -> jax.Array:
     """w pinned to its default (row-major) layout. cuBLAS's FP8 GEMM wants both operands with
     the contracted dim minor, so the forward dot wants w (I.., O..) transposed; unpinned, XLA
     gives that layout to the whole stacked bf16 weights carried by the microbatch loop, a
-    second copy of them (the 8B offload step on the H200: 62.2 GiB of temporaries, 35.3
-    pinned). Pinned, it transposes each layer's e4m3 copy in the loop instead."""
+    second copy of them (27 GiB more temporaries in the 8B offload step). Pinned, it
+    transposes each layer's e4m3 copy in the loop instead."""
     return with_layout_constraint(w, Layout(major_to_minor=tuple(range(w.ndim))))
 
 

@@ -291,7 +291,9 @@ def check_decoded(new_tokens, vocab_size: int, tokenizer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
+    parser.add_argument(
+        "--config", required=True, help="a config file or a shipped config's name, e.g. tiny"
+    )
     parser.add_argument("--checkpoint", help="a training run's workdir (its latest checkpoint)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded by --tokenizer; prints text")

@@ -14,10 +14,11 @@ from jax.sharding import PartitionSpec as P
 from angel_jax import sharding
 from angel_jax.family import Pieces
 from angel_jax.losses import TrainingLoss, cross_entropy
-from angel_jax.offload.stream import Space, fetch_f32, layer_chunks, pipelined, regroup
+from angel_jax.offload.programs import Space, fetch_f32
+from angel_jax.offload.stream import layer_chunks, pipelined, regroup
 from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.parallel.pipeline import StageFunctions, pipeline_grads
-from angel_jax.parallel.stage_plan import PipelinePlan
+from angel_jax.planning.stage_plan import PipelinePlan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

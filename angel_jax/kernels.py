@@ -2,11 +2,11 @@
 Pallas Mosaic GPU kernels or tokamax's), flash attention blocks for ring attention (cuDNN's
 or tokamax's), or XLA's own ops.
 
-Grouped GEMMs at moe_1b's expert shape on one H200 (experiments/grouped_gemm.py),
-forward / forward + backward TFLOP/s: JAX's `jax.experimental.pallas.ops.gpu` Hopper kernels
-(`ragged_dot_mgpu` for the forward and dX, `transposed_ragged_dot_mgpu` for dW) 686 / 645,
-tokamax 0.0.17's 320 / 261, a dense cuBLAS matmul of the same FLOPs 775 / 692,
-`lax.ragged_dot` 49 / 40 (XLA lowers it to dense matmuls over every group on CUDA).
+Grouped GEMMs at moe_1b's expert shape (experiments/grouped_gemm.py): JAX's
+`jax.experimental.pallas.ops.gpu` Hopper kernels (`ragged_dot_mgpu` for the forward and dX,
+`transposed_ragged_dot_mgpu` for dW) reach about 0.9x a dense cuBLAS matmul of the same FLOPs,
+over twice tokamax's; `lax.ragged_dot` under a tenth of it (XLA lowers it to dense matmuls
+over every group on CUDA).
 Ring attention's blocks need the log-sum-exp out of the forward and a backward that takes the
 ring's merged output and log-sum-exp: cuDNN's fused attention has both (its forward
 primitive's softmax statistics, its backward primitive given those residuals); tokamax's
@@ -152,18 +152,17 @@ def _ragged_dot(x_MK, w_GKN, sizes_G, kernel: str):
     return jax.lax.ragged_dot(x_MK, w_GKN, sizes_G)
 
 
-# Tiles of JAX's Hopper grouped GEMMs, the fastest of a sweep at moe_1b's shapes on an H200
-# (experiments/grouped_gemm.py): 192 x 128 output tiles for the forward and dX (650-670
-# TFLOP/s; 128 x 128 ran 620-630, 128 x 256 and 256 x 128 under 200), 128 x 128 for dW
-# (675-680).
+# Tiles of JAX's Hopper grouped GEMMs, the fastest of a sweep at moe_1b's shapes
+# (experiments/grouped_gemm.py): 192 x 128 output tiles for the forward and dX (5% over
+# 128 x 128; 128 x 256 and 256 x 128 ran under a third as fast), 128 x 128 for dW.
 _ROWS_TILE = dict(block_m=192, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 _WEIGHTS_TILE = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 
 
 # Each kernel under its own jit: a program with unrolled layers then lowers each kernel once
 # and calls it from every layer (JAX caches a jit's lowering within a module); inline, the
-# Mosaic GPU lowering ran again for every call (moe_1b unrolled had not compiled and run its
-# first steps in 280 s on an H200; so it compiles in 51 s).
+# Mosaic GPU lowering ran again for every call (moe_1b unrolled took over 5x as long to
+# compile).
 @functools.partial(jax.jit, static_argnames="transpose_rhs")
 def _rows_kernel(x_MK, w_GKN, sizes_G, transpose_rhs=False):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu

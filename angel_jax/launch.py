@@ -21,7 +21,9 @@ from angel_jax.config import ConfigError, load_config
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--config", required=True, help="a config file, e.g. configs/tiny.py")
+    parser.add_argument(
+        "--config", required=True, help="a config file or a shipped config's name, e.g. tiny"
+    )
     parser.add_argument("--workdir", required=True, help="metrics, TensorBoard logs, checkpoints")
     group = parser.add_argument_group("multi-process runs (default: from SLURM or Open MPI)")
     group.add_argument("--coordinator", help="HOST:PORT of process 0, the same on every process")

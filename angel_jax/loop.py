@@ -13,6 +13,7 @@ import numpy as np
 
 from angel_jax import kernels
 from angel_jax.config import ConfigError
+from angel_jax.elastic import Reshard, layout_of, settings_of
 from angel_jax.lock import hold_workdir
 from angel_jax.models import validate
 from angel_jax.monitor import Stopped, StopRequest
@@ -20,9 +21,11 @@ from angel_jax.state_layout import TrainState
 from angel_jax.train import Experiment, build
 
 
-def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+def train_loop(config: ml_collections.ConfigDict, workdir: str, devices=None) -> dict | None:
     """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train.steps`,
-    watched by a `monitor.Monitor` (anomalies, stragglers, hangs).
+    watched by a `monitor.Monitor` (anomalies, stragglers, hangs), on a mesh over `devices`
+    (default: all). The checkpoint may come from another mesh (docs/hosts.md, "Resume on
+    another mesh").
 
     Returns the last logged metrics.
     """
@@ -39,15 +42,17 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
         monitor = Monitor(config, workdir)  # Its hang watchdog runs from here on.
         stop = StopRequest()
         try:
-            return _train_loop(config, workdir, monitor, stop)
+            return _train_loop(config, workdir, monitor, stop, devices)
         finally:
             stop.close()
             monitor.close()
 
 
-def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
+def restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, int]:
     """(state, next batch index) from the newest readable checkpoint, or a fresh state."""
-    found = ckpt.restore_latest(exp.checkpoint_target(), *exp.checkpoint_layout) if ckpt else None
+    # Through a Reshard: a checkpoint saved on another mesh or layout resumes here.
+    target, reshard = exp.checkpoint_target(), Reshard(exp)
+    found = ckpt.restore_latest(target, *exp.checkpoint_layout, reshard) if ckpt else None
     if found is None:
         return exp.init_state(), 0
     for step, reason in found.unreadable:
@@ -61,7 +66,7 @@ def _restore_or_init(exp: Experiment, ckpt, monitor, say) -> tuple[TrainState, i
 
 
 def _train_loop(
-    config: ml_collections.ConfigDict, workdir: str, monitor, stop: StopRequest
+    config: ml_collections.ConfigDict, workdir: str, monitor, stop: StopRequest, devices=None
 ) -> dict | None:
     from angel_jax.checkpoint import Checkpointer
     from angel_jax.data import make_batches
@@ -70,7 +75,7 @@ def _train_loop(
     from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
 
     t = config.train
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh, devices)
     exp = build(config, mesh)
     # This process's rows of each batch; checks the data before any device memory is taken.
     batches = make_batches(config, process_rows(exp.batch_sharding, t.batch_size))
@@ -85,7 +90,7 @@ def _train_loop(
     train_step = monitor.step_fn(exp)  # Compiled before the state takes the device's memory.
     if ckpt:  # Before any step: a checkpoint that cannot fit its disk would stop the run later.
         ckpt.check_space(exp.checkpoint_target())
-    state, data_index = _restore_or_init(exp, ckpt, monitor, say)
+    state, data_index = restore_or_init(exp, ckpt, monitor, say)
     start = int(jax.device_get(state.step))
     if start >= t.steps:
         say(
@@ -116,7 +121,7 @@ def _train_loop(
         say(
             f"note: with {' and '.join(exp.steps.waits_for_the_norm)} the update in the step "
             "waits for the whole step's grad norm and runs after the backward pass, not beside "
-            'it (README "Update inside the step"); config.offload.speculative_update=true, or '
+            'it (docs/zero-cache.md, "The update"); config.offload.speculative_update=true, or '
             "config.train.grad_clip=0 and config.monitor.on_anomaly=log, let it overlap the "
             "backward pass"
         )
@@ -196,7 +201,7 @@ def _train_loop(
             ckpt.wait()  # Then free the state before restoring.
             exp.steps.discard()  # A delayed update of the steps rolled back: dropped.
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
-            state, _ = _restore_or_init(exp, ckpt, monitor, say)
+            state, _ = restore_or_init(exp, ckpt, monitor, say)
             step, data_index = int(jax.device_get(state.step)), rollback.data_index
             monitor.rolled_back(step, rollback)
             batch_iter = batches.iterate(data_index)
@@ -207,7 +212,8 @@ def _train_loop(
                 log(*pending)
                 pending = None
             state = exp.settled(state)  # A delayed update goes in first: resume is exact.
-            ckpt.save(step, exp.checkpointed(state), data_index, *exp.checkpoint_layout)
+            about = {"pipeline": layout_of(exp)["pipeline"], "settings": settings_of(config)}
+            ckpt.save(step, exp.checkpointed(state), data_index, *exp.checkpoint_layout, about)
             monitor.saved(step)
         if stopping:
             break

@@ -212,8 +212,9 @@ class Watchdog:
 
     def _arm_backstop(self, seconds: float) -> None:
         # A thread in C: it dumps the stacks and exits (status 1) even if the GIL is never
-        # released, where the Python thread below cannot run.
-        faulthandler.dump_traceback_later(seconds + self.GRACE_S, exit=True)
+        # released, where the Python thread below cannot run. To the process's own stderr: a
+        # replaced sys.stderr (a notebook's, pytest's capture) may have no file descriptor.
+        faulthandler.dump_traceback_later(seconds + self.GRACE_S, exit=True, file=sys.__stderr__)
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):

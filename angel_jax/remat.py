@@ -1,5 +1,5 @@
 """Remat policies: one table, read by config validation, the models and both memory planners
-(through angel_jax/memory.py).
+(through angel_jax/planning/memory.py); angel_jax/planning/activations.py chooses among them.
 
 Each entry names its JAX checkpoint policy and what the planners need of it: the values it
 keeps on the device per layer and token for the backward pass, in widths of (model dim,
@@ -13,7 +13,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
 # Activations the layers name (checkpoint_name) so remat policies can save or offload them,
 # with their widths in units of (model dim, attention width, KV width, FFN width): a dense
@@ -36,10 +35,9 @@ ATTENTION_RESULTS = "attention_results"
 def flash_attention_saveable(prim, *_, **params) -> bool:
     """The attention's forward results: cuDNN flash attention's output and softmax statistics
     (its forward primitive as JAX's public attention binds it), or the ring's merged ones.
-    Without them the backward pass runs the forward again (9 of 241 ms of a llama_1b step on
-    an H200; at long context most of
-    a full-remat step's recompute). The ring's cuDNN blocks bind the core primitive: their
-    per-block results are not kept, the merged ones are."""
+    Without them the backward pass runs the forward again (about 4% of a llama_1b step; at
+    long context most of a full-remat step's recompute). The ring's cuDNN blocks bind the core
+    primitive: their per-block results are not kept, the merged ones are."""
     if prim.name == "name":
         return params.get("name") == ATTENTION_RESULTS
     return prim.name == "dot_product_attention_fwd_wrapper"
@@ -86,7 +84,8 @@ def _offloading(names) -> Remat:
     return Remat(policy, (1, 0, 0, 0), offloaded=tuple(names))
 
 
-# The table's order breaks `auto_order`'s ties: fastest first, where two recompute alike.
+# The table's order breaks the remat choice's ties (`planning.activations.auto_order`): fastest
+# first, where two recompute alike.
 REMATS = {
     # Everything: the layer's input, norms' float32 intermediates (twice the values), Q, K, V,
     # the attention output, the MLP's four (M, F) values (and a bf16 cast of each weight when
@@ -122,11 +121,6 @@ REMATS = {
 # microbatch in flight are kept per slot; a policy that saved a cast of a weight would keep a
 # copy of it per slot).
 STAGE_REMATS = tuple(name for name, r in REMATS.items() if r.recompute is not None)
-# What config.model.remat=auto tries (`auto_order`): the pipeline's policies. Not none: on
-# the H200 keeping every value was slower than dots_no_batch (llama_1b: 62.3k against 68.4k
-# tokens/s at twice the memory), its
-# memory traffic costing more than the recompute it spares.
-AUTO_REMATS = STAGE_REMATS
 
 
 def has_attention_results(attention: str, context: int) -> bool:
@@ -142,24 +136,6 @@ def kept(remat: str, attention_results: bool) -> str:
     if attention_results:
         return remat
     return {"dots_attention": "dots_no_batch", "attention": "full"}.get(remat, remat)
-
-
-def auto_order(
-    attention_results: bool, matmul_flops: float, attention_flops: float
-) -> tuple[str, ...]:
-    """AUTO_REMATS fastest first: those that keep something of their own here, by the forward
-    FLOPs their backward pass recomputes per token and layer (`matmul_flops` of the weight
-    matmuls, `attention_flops` of the attention), the table's order breaking ties. At long
-    context, where attention outweighs the matmuls, attention comes before dots_no_batch."""
-    own = [r for r in AUTO_REMATS if kept(r, attention_results) == r]
-    return tuple(sorted(own, key=lambda r: recomputed(r, matmul_flops, attention_flops)))
-
-
-def recomputed(remat: str, matmul_flops: float, attention_flops: float) -> float:
-    """The forward FLOPs a layer's backward pass recomputes per token under REMATS[remat]
-    (one of AUTO_REMATS), of `matmul_flops` of weight matmuls and `attention_flops` of
-    attention."""
-    return float(np.dot(REMATS[remat].recompute, (attention_flops, matmul_flops)))
 
 
 _input_to_host = _policies.save_and_offload_only_these_names(

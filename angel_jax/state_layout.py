@@ -14,15 +14,17 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax import sharding
 from angel_jax.config import ConfigError
-from angel_jax.memory import zero_splits
 from angel_jax.offload.cpu import CPUTier, measure_rates
-from angel_jax.offload.planner import Plan, make_plan
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState, host_layout
 from angel_jax.offload.stream import StreamedUpdate
-from angel_jax.offload.tiers import CPU, HOST, SSD
 from angel_jax.optim import Optimizer
 from angel_jax.optim.powersgd import PowerSGD
+from angel_jax.planning.inputs import PlanInput
+from angel_jax.planning.memory import zero_splits
+from angel_jax.planning.placement import make_plan
+from angel_jax.planning.plan import Plan
+from angel_jax.planning.tiers import CPU, HOST, SSD
 
 
 @flax.struct.dataclass
@@ -59,9 +61,65 @@ def _largest_path(abstract_params):
     return max(leaves, key=lambda leaf: leaf[1].size)[0]
 
 
+def _offloaded_layout(
+    config, optimizer, plan: Plan, stacked, abstract_params, abstract_opt, shardings
+) -> tuple:
+    """The offloaded states' layout (`offload.state.host_layout`), its SSD and host-core tiers
+    and the streamed update, for `plan` (which offloads the optimizer): (compute sharding,
+    abstract compute params, abstract params, abstract optimizer state, param sharding,
+    optimizer state sharding, SSD tier, CPU tier, streamed update). `shardings`: the params',
+    the offloaded masters' and the optimizer state's."""
+    param_sharding, offloaded_master_sharding, opt_sharding = shardings
+    ssd = None
+    dtype = jnp.dtype(config.model.dtype)
+    # Streamed layers' compute copy lives in host memory.
+    compute_sharding = jax.tree.map(
+        lambda s, is_stacked: s.with_memory_kind(HOST) if is_stacked and plan.streams_params else s,
+        param_sharding,
+        stacked,
+    )
+    abstract_compute = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params)
+    abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = host_layout(
+        abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
+    )
+    on_disk = [c for c in chunks if c.tier == SSD]
+    if on_disk:
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "config.offload.ssd_dir: the SSD tier runs in one process only for now; "
+                "leave it empty on multi-process runs"
+            )
+        ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
+    on_cpu = [c for c in chunks if c.tier == CPU]
+    cpu = CPUTier(optimizer, on_cpu, jnp.dtype(config.model.dtype)) if on_cpu else None
+    update = StreamedUpdate(
+        optimizer,
+        chunks,
+        config.offload.chunks_in_flight,
+        ssd,
+        cpu,
+        # Beside the in-step update it only redoes a speculated one (steps.InStepUpdate),
+        # after which nothing may stay on its way home: no step after it sends it off.
+        beside_step=plan.copies_beside_step and not config.offload.update_in_step,
+        slot_bytes=plan.slot_bytes,
+    )
+    return (
+        compute_sharding,
+        abstract_compute,
+        abstract_params,
+        abstract_opt,
+        param_sharding,
+        opt_sharding,
+        ssd,
+        cpu,
+        update,
+    )
+
+
 def make_state_layout(
     config: ml_collections.ConfigDict,
     mesh: Mesh,
+    inp: PlanInput,
     rules: sharding.Rules,
     boxed_params: Any,
     optimizer: Optimizer,
@@ -70,9 +128,10 @@ def make_state_layout(
     extra_activations: dict[tuple[bool, str], int] | None = None,
     pipeline=None,
 ) -> StateLayout:
-    """The layout of the state around params of these (logically boxed) shapes; `to_stages`
-    (the pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the
-    planner may keep the layers' inputs in host memory; `extra_activations` and `pipeline`:
+    """The layout of the state around params of these (logically boxed) shapes, with the
+    ZeRO-Cache plan made from `inp` (`planning.placement.make_plan`); `to_stages` (the
+    pipeline's) reorders the stacked layers stage by stage; `inputs_offloadable`: the planner
+    may keep the layers' inputs in host memory; `extra_activations` and `pipeline`:
     `make_plan`'s."""
     logical = sharding.logical_axes(boxed_params)
     abstract_params = flax.linen.meta.unbox(boxed_params)
@@ -103,8 +162,7 @@ def make_state_layout(
     offloaded_master_sharding = sharding.named(mesh, specs("optimizer state"))
     opt_sharding = sharding.named(mesh, opt_specs)
     plan = make_plan(
-        config,
-        mesh,
+        inp,
         params=sharding.with_shardings(abstract_params, param_sharding),
         grads=sharding.with_shardings(abstract_params, grad_sharding),
         offloaded_masters=sharding.with_shardings(abstract_params, offloaded_master_sharding),
@@ -117,65 +175,21 @@ def make_state_layout(
             optimizer, _largest_path(abstract_params), jnp.dtype(config.model.dtype)
         ),
     )
-    if config.offload.delayed_update and not plan.offloads_optimizer:
-        raise ConfigError(
-            "config.offload.delayed_update=true delays the offloaded optimizer update, and "
-            f"the plan's policy ({plan.policy}) keeps the optimizer on the device: set "
-            "config.offload.policy=optimizer or params, or delayed_update=false"
-        )
-    if config.offload.update_in_step:
-        _check_update_in_step(config, plan)
-    if config.offload.speculative_update and not (
-        config.train.grad_clip > 0 or config.monitor.on_anomaly == "skip"
-    ):
-        raise ConfigError(
-            "config.offload.speculative_update=true speculates past clipping and the anomaly "
-            "guard, and this run has neither (config.train.grad_clip=0, "
-            f"config.monitor.on_anomaly={config.monitor.on_anomaly}): the update in the step "
-            "waits for nothing already; set speculative_update=false"
-        )
-    if config.offload.speculative_update and not config.offload.update_in_step:
-        raise ConfigError(
-            "config.offload.speculative_update=true speculates the update inside the step: "
-            "set config.offload.update_in_step=true too, or speculative_update=false"
-        )
     compute_sharding = abstract_compute = ssd = cpu = update = None
     if plan.offloads_optimizer:
-        dtype = jnp.dtype(config.model.dtype)
-        # Streamed layers' compute copy lives in host memory.
-        compute_sharding = jax.tree.map(
-            lambda s, is_stacked: (
-                s.with_memory_kind(HOST) if is_stacked and plan.streams_params else s
-            ),
+        shardings = (param_sharding, offloaded_master_sharding, opt_sharding)
+        (
+            compute_sharding,
+            abstract_compute,
+            abstract_params,
+            abstract_opt,
             param_sharding,
-            stacked,
-        )
-        abstract_compute = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract_params
-        )
-        abstract_params, abstract_opt, param_sharding, opt_sharding, chunks = host_layout(
-            abstract_params, abstract_opt, offloaded_master_sharding, opt_sharding, stacked, plan
-        )
-        on_disk = [c for c in chunks if c.tier == SSD]
-        if on_disk:
-            if jax.process_count() > 1:
-                raise ConfigError(
-                    "config.offload.ssd_dir: the SSD tier runs in one process only for now; "
-                    "leave it empty on multi-process runs"
-                )
-            ssd = SSDTier(config.offload.ssd_dir, config.offload.ssd_compress, on_disk)
-        on_cpu = [c for c in chunks if c.tier == CPU]
-        cpu = CPUTier(optimizer, on_cpu, jnp.dtype(config.model.dtype)) if on_cpu else None
-        update = StreamedUpdate(
-            optimizer,
-            chunks,
-            config.offload.chunks_in_flight,
+            opt_sharding,
             ssd,
             cpu,
-            # Beside the in-step update it only redoes a speculated one (steps.InStepUpdate),
-            # after which nothing may stay on its way home: no step after it sends it off.
-            beside_step=plan.copies_beside_step and not config.offload.update_in_step,
-            slot_bytes=plan.slot_bytes,
+            update,
+        ) = _offloaded_layout(
+            config, optimizer, plan, stacked, abstract_params, abstract_opt, shardings
         )
     powersgd = abstract_comm = comm_sharding = None
     if config.train.powersgd_rank:
@@ -215,28 +229,3 @@ def make_state_layout(
         offloaded=offloaded,
         powersgd=powersgd,
     )
-
-
-def _check_update_in_step(config: ml_collections.ConfigDict, plan: Plan) -> None:
-    """config.offload.update_in_step's needs, each with its setting."""
-    from angel_jax.models import family_of  # The models import the trainer's planner.
-
-    needs = []
-    if not plan.offloads_optimizer or plan.streams_params:
-        needs.append(
-            f"the optimizer offloaded without layer streaming (the plan's policy is "
-            f"{plan.policy}): config.offload.policy=optimizer"
-        )
-    if config.model.scan_layers:
-        needs.append("the layers unrolled: config.model.scan_layers=false")
-    if family_of(config.model).pieces is None:
-        needs.append(f"a decoder family with unrolled layers (not {config.model.family})")
-    if config.offload.delayed_update:
-        needs.append("this step's grads: config.offload.delayed_update=false")
-    if plan.on_ssd or plan.on_cpu:
-        needs.append(
-            'every chunk on the device or in pinned host memory: config.offload.ssd_dir="" '
-            "and config.offload.cpu_update=0"
-        )
-    if needs:
-        raise ConfigError("config.offload.update_in_step=true needs " + "; ".join(needs))

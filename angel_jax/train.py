@@ -8,7 +8,6 @@ imports.
 
 import dataclasses
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -19,25 +18,33 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 
 from angel_jax import machine, sharding
+from angel_jax.data.objectives import row_width
 from angel_jax.grads import Gradients, GradSetup, PipelineSetup
 from angel_jax.losses import TrainingLoss
 from angel_jax.models import apply_checkpoint_architecture, family_of, load_params, validate
-from angel_jax.offload import planner
-from angel_jax.offload.planner import CompiledTooLarge, Plan, may_update_between_microbatches
 from angel_jax.offload.ssd import SSDTier
 from angel_jax.offload.state import OffloadedState
 from angel_jax.offload.stream import (
     StreamedUpdate,
 )
-from angel_jax.optim import Optimizer, make_optimizer
+from angel_jax.optim import Optimizer, learning_rate_schedule, make_optimizer
 from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.parallel.attention import zigzag_order
-from angel_jax.parallel.stage_plan import PipelinePlan, make_pipeline_plan
+from angel_jax.planning.compiled import check_compiled, checks_compiled
+from angel_jax.planning.inputs import PlanInput, model_settings, plan_input
+from angel_jax.planning.plan import Plan
+from angel_jax.planning.settle import settle
+from angel_jax.planning.stage_plan import PipelinePlan, make_pipeline_plan
 from angel_jax.state_layout import TrainState, make_state_layout
-from angel_jax.steps import DeviceStep, InStepUpdate, OffloadedStep
-
-# Plans `build` makes at most, each for what the last one's compiled step took.
-_MOST_PLANS = 6
+from angel_jax.steps import (
+    DeviceStep,
+    InStepUpdate,
+    OffloadedStep,
+    OffloadSetup,
+    Step,
+    StepSetup,
+    backward_order,
+)
 
 
 @dataclasses.dataclass
@@ -175,11 +182,13 @@ class Experiment:
         return Gradients(self.loss, setup)
 
     @functools.cached_property
-    def steps(self) -> DeviceStep | OffloadedStep:
+    def steps(self) -> Step:
         """The train step's form, as the plan places the optimizer state."""
+        setup = _step_setup(self)
         if not self.plan.offloads_optimizer:
-            return DeviceStep(self)
-        return (InStepUpdate if self.config.offload.update_in_step else OffloadedStep)(self)
+            return DeviceStep(setup)
+        form = InStepUpdate if self.config.offload.update_in_step else OffloadedStep
+        return form(setup)
 
     @property
     def train_step(self):
@@ -211,186 +220,128 @@ class Experiment:
         return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
 
 
-def build(config: ml_collections.ConfigDict, mesh: Mesh, fit_compiled: bool = True) -> Experiment:
-    """The experiment `config` describes on `mesh`. A plan that offloads the optimizer fills
-    the device's room around the planner's estimate of the step's temporaries: chunks
-    resident on the device (policy auto) and the update's groups beside the step; with
-    config.model.remat=auto the plan also picks the fastest remat policy that fits. With
-    `fit_compiled`, such a plan's step is compiled here and the plan made again with what its
-    temporaries took, before anything is allocated: when they took more (fewer chunks
-    resident, none of the update's groups beside the step, or the next remat policy), and
-    when they took less and the room left lets the plan keep more on the device for the same
-    program. Otherwise the first use of the step compiles it and refuses a plan it overruns."""
-    exp = _build(config, mesh)
-    picks_remat = config.model.remat == "auto" and not exp.pipeline
+def _step_setup(exp: Experiment) -> StepSetup:
+    """What `exp`'s train step reads, from its config, plan and layout."""
+    c, plan = exp.config, exp.plan
+    offload = None
+    if plan.offloads_optimizer:
+        order = None
+        if c.offload.update_in_step:
+            pieces = family_of(c.model).pieces
+            chunks, compute = exp.streamed_update.chunks, exp.abstract_state.compute_params
+            order = backward_order(pieces, exp.model_config, compute, chunks, exp.mesh, exp.rules)
+        offload = OffloadSetup(
+            update=exp.streamed_update,
+            chunks_in_flight=c.offload.chunks_in_flight,
+            delayed=c.offload.delayed_update,
+            between_microbatches=c.offload.delayed_update and plan.update_between_microbatches,
+            speculative=c.offload.speculative_update,
+            order=order,
+        )
+    return StepSetup(
+        mesh=exp.mesh,
+        rules=exp.rules,
+        grads=exp.grads,
+        optimizer=exp.optimizer,
+        learning_rate=learning_rate_schedule(c.train),
+        abstract_state=exp.abstract_state,
+        state_sharding=exp.state_sharding,
+        grad_sharding=exp.grad_sharding,
+        batch_sharding=exp.batch_sharding,
+        batch_shape=(c.train.batch_size, row_width(c)),
+        microbatches=c.train.microbatches,
+        stacked=exp.stacked,
+        grad_clip=c.train.grad_clip,
+        skips_anomalies=c.monitor.on_anomaly == "skip",
+        check=functools.partial(check_compiled, plan),
+        checks_compiled=checks_compiled(c.offload.device_gib),
+        powersgd=exp.powersgd,
+        offload=offload,
+    )
+
+
+def build(
+    config: ml_collections.ConfigDict,
+    mesh: Mesh,
+    fit_compiled: bool = True,
+    extra_activations: dict[tuple[bool, str], int] | None = None,
+) -> Experiment:
+    """The experiment `config` describes on `mesh`, planned once from a `PlanInput`. With
+    `fit_compiled`, a plan that offloads the optimizer or picks the remat policy
+    (config.model.remat=auto) is settled against its compiled step before anything is
+    allocated (`planning.settle`): planned again, and built again, with what the step's
+    temporaries took. Otherwise the first use of the step compiles it and refuses a plan it
+    overruns. `extra_activations`: what compiled steps took beyond the planner's estimate,
+    known already (`placement.make_plan`'s), for the first plan."""
+    validate(config)
+    if config.init_from_hf:  # The checkpoint decides the architecture.
+        apply_checkpoint_architecture(config)
+        validate(config)
+    family = family_of(config.model)
+    inp = plan_input(config, mesh, family.make_config(config.model, machine.backend()))
+    exp = _build(config, mesh, inp, extra_activations)
     if not (fit_compiled and exp.steps.checks_compiled):
         return exp
-    if not (exp.plan.offloads_optimizer or picks_remat):
-        return exp
-    # (Offloads the optimizer, remat policy) -> what that compiled step took beyond the estimate.
-    extra: dict[tuple[bool, str], int] = {}
-    for attempt in range(_MOST_PLANS):
-        try:
-            # The program the loop runs: compiled and checked against the plan.
-            _ = exp.steps.program if exp.plan.offloads_optimizer else exp.loop_step
-            break
-        except CompiledTooLarge as e:
-            if attempt == _MOST_PLANS - 1:
-                raise
-            before, key = exp, (exp.plan.offloads_optimizer, exp.plan.remat)
-            extra[key] = extra.get(key, 0) + e.beyond_estimate
-            exp = _build(config, mesh, extra)
-            now = f"policy {exp.plan.policy}, remat {exp.plan.remat}"
-            if before.plan.offloads_optimizer and exp.plan.offloads_optimizer:
-                exp.steps.reuse_program(before.steps)  # The same program: not compiled again.
-                now += f", {len(exp.plan.resident)} chunks resident on the device, not "
-                now += str(len(before.plan.resident))
-            print(
-                f"the compiled step (remat {key[1]}) took {e.beyond_estimate / 2**30:.1f} GiB "
-                f"more temporaries than the plan's estimate: planned again with them ({now})",
-                file=sys.stderr,
-            )
-    if exp.plan.offloads_optimizer:
-        return exp if extra else _with_room_given_back(config, mesh, exp)
-    return _with_a_faster_remat(config, mesh, exp) if picks_remat and not extra else exp
+    make = lambda extra: _Built(_build(config, mesh, inp, extra))
+    return settle(inp, make, _Built(exp)).exp
 
 
-def _with_a_faster_remat(config: ml_collections.ConfigDict, mesh: Mesh, exp: Experiment):
-    """`exp` (remat auto, everything on the device), or planned again with a faster remat
-    policy than its pick: when the compiled step's temporaries came in under the estimate,
-    the faster policies' estimates are scaled alike, and the fastest that then fits is
-    compiled and taken if its step fits too; one that does not is planned again with what it
-    took, which passes to the next (a compile each; the estimate errs high: by 14% for
-    dots_no_batch and 34% for full on llama_1b at 48 x 2048 on the H200)."""
-    plan = exp.plan
-    choices = planner.remat_choices(config, mesh)
-    faster = choices[: choices.index(plan.remat)]
-    excess, activations = exp.steps.beyond_estimate, plan.state_bytes["activations"]
-    if excess >= 0 or not faster or activations <= 0:
-        return exp
-    scale = max(0.0, (activations + excess) / activations)
-    extra = {
-        (False, r): int((scale - 1) * planner.activation_bytes(config, mesh, r)["activations"])
-        for r in faster
-    }
-    for _ in faster:
-        again = _build(config, mesh, extra)
-        if again.plan.remat not in faster:
-            break
-        try:
-            _ = again.loop_step  # Compiled and checked against the plan.
-        except CompiledTooLarge as e:
-            extra[False, again.plan.remat] += e.beyond_estimate
-            print(
-                f"remat {again.plan.remat}, tried in the room remat {plan.remat}'s compiled "
-                f"step left, took {e.beyond_estimate / 2**30:.1f} GiB more than its scaled "
-                "estimate",
-                file=sys.stderr,
-            )
-            continue
-        print(
-            f"the compiled step (remat {plan.remat}) took {-excess / 2**30:.1f} GiB less than "
-            f"the plan's estimate: remat {again.plan.remat} fits, and is taken",
-            file=sys.stderr,
-        )
-        return again
-    return exp
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """An `Experiment` as the settle loop sees it (`planning.settle.Built`)."""
 
+    exp: Experiment
 
-def _with_room_given_back(config: ml_collections.ConfigDict, mesh: Mesh, exp: Experiment):
-    """`exp`, or planned again with its compiled step's temporaries when they came in under
-    the estimate and the room left lets the plan keep more on the device for the same
-    program."""
-    plan, excess = exp.plan, exp.steps.beyond_estimate  # Of the step compiled in `build`.
-    # Room left over helps a plan that fills it: resident chunks, or groups it switched off.
-    # A delayed update that could run between microbatches, if the room let it.
-    could_go_between = not plan.update_between_microbatches and may_update_between_microbatches(
-        config, plan, exp.pipeline is not None
-    )
-    fills = config.offload.policy == "auto" or not plan.copies_beside_step or could_go_between
-    if excess >= 0 or not fills:
-        return exp
-    again = _build(config, mesh, {(True, plan.remat): excess})
-    between = again.plan.update_between_microbatches and not plan.update_between_microbatches
-    more = (
-        len(again.plan.resident) > len(plan.resident)
-        or (again.plan.copies_beside_step and not plan.copies_beside_step)
-        or between
-    )
-    if not (more and again.plan.offloads_optimizer):
-        return exp
-    # Only for the same program: another's temporaries are not the ones measured. But a
-    # delayed update the room lets run between microbatches brings its own program (one
-    # microbatch's forward/backward, the same work as the loop's body): taken if it fits.
-    if not (again.steps.reuse_program(exp.steps) or between):
-        return exp
-    try:
-        _ = again.steps.program  # Checked against the plan made again.
-    except CompiledTooLarge as e:
-        if not between:
-            raise
-        # Its temporaries passed the scan's (on the H200, the 8B's by 0.01 GiB, where the
-        # groups took all the room): once more with them, the same program.
-        again = _between_again(
-            config, mesh, again, {(True, plan.remat): excess + e.beyond_estimate}
-        )
-        if again is None:
-            return exp
-    print(
-        f"the compiled step's temporaries took {-excess / 2**30:.1f} GiB less than the plan's "
-        f"estimate: planned again with them ({len(again.plan.resident)} chunks resident on the "
-        f"device, not {len(plan.resident)}; the update's groups beside the step "
-        f"{'on' if again.plan.copies_beside_step else 'off'}; the delayed update between "
-        f"microbatches {'on' if again.plan.update_between_microbatches else 'off'})",
-        file=sys.stderr,
-    )
-    return again
+    @property
+    def plan(self) -> Plan:
+        return self.exp.plan
 
+    @property
+    def pipelined(self) -> bool:
+        return self.exp.pipeline is not None
 
-def _between_again(config: ml_collections.ConfigDict, mesh: Mesh, before: Experiment, extra):
-    """`before`'s update between microbatches planned once more with its microbatch program's
-    temporaries (`extra`, `_build`'s) and that program, checked; None if the plan made so
-    leaves that mode or its program does not fit."""
-    again = _build(config, mesh, extra)
-    if not (again.plan.update_between_microbatches and again.steps.reuse_program(before.steps)):
-        return None
-    try:
-        _ = again.steps.program
-    except CompiledTooLarge:
-        return None
-    return again
+    def check_program(self) -> int:
+        _ = self.exp.steps.program  # Compiled and checked against the plan.
+        return self.exp.steps.beyond_estimate
+
+    def check_loop_step(self) -> int:
+        _ = self.exp.loop_step  # Compiled and checked against the plan.
+        return self.exp.steps.beyond_estimate
+
+    def reuse_program(self, before: "_Built") -> bool:
+        return self.exp.steps.reuse_program(before.exp.steps)
 
 
 def _build(
     config: ml_collections.ConfigDict,
     mesh: Mesh,
+    inp: PlanInput,
     extra_activations: dict[tuple[bool, str], int] | None = None,
 ) -> Experiment:
-    validate(config)
-    if config.init_from_hf:  # The checkpoint decides the architecture.
-        apply_checkpoint_architecture(config)
-        validate(config)
+    """The experiment planned from `inp` (`plan_input(config, mesh)`), with
+    `extra_activations` (`placement.make_plan`'s)."""
     rules = sharding.axis_rules(config, mesh)
     family = family_of(config.model)
-    model_config = family.make_config(config.model, machine.backend())
     fp8 = dict(
         fp8_matmul=config.fp8.matmul,
         # ZeRO-3 splits the params over `data` (validate checks the stage): gather in FP8.
         fp8_gather=config.fp8.collectives and mesh.shape["data"] > 1,
         fp8_lm_head=config.fp8.lm_head,
     )
-    if any(fp8.values()):  # validate: only families with FP8 projections get here.
-        model_config = dataclasses.replace(model_config, **fp8)
     pipeline = None
     if mesh.shape["pipeline"] > 1:
-        pipeline = make_pipeline_plan(config, model_config, dict(mesh.shape))
-        model_config = dataclasses.replace(model_config, remat=pipeline.remat)
-    elif model_config.remat == "auto":  # The plan's pick, below; shapes do not depend on it.
-        model_config = dataclasses.replace(model_config, remat="none")
+        pipeline = make_pipeline_plan(inp, inp.decoder)
+    # The params' shapes (the planners' input) do not depend on what the plan then decides:
+    # any remat policy gives them (auto is none until the plan picks one).
+    remat = pipeline.remat if pipeline else inp.decoder.remat
+    shapes_config = dataclasses.replace(
+        inp.decoder,
+        **(fp8 if any(fp8.values()) else {}),
+        remat="none" if remat == "auto" else remat,
+    )
     optimizer = make_optimizer(config.train)
-    # The params' shapes (the planners' input) do not depend on what the plan then decides.
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
-    shapes_of = family.module(model_config).init
+    shapes_of = family.module(shapes_config).init
     boxed = jax.eval_shape(shapes_of, jax.random.key(0), *family.example_inputs(tokens))
     to_stages = pipeline.layout.to_stages if pipeline else None
     # The pipeline's stage planner keeps its own activation model: inputs stay on the device.
@@ -398,6 +349,7 @@ def _build(
     layout = make_state_layout(
         config,
         mesh,
+        inp,
         rules,
         boxed["params"],
         optimizer,
@@ -406,12 +358,8 @@ def _build(
         extra_activations,
         pipeline=pipeline,  # Its stages' remat pick and activation model.
     )
-    if not pipeline:
-        model_config = dataclasses.replace(model_config, remat=layout.plan.remat)
-    if layout.plan.streams_params:
-        model_config = dataclasses.replace(model_config, stream_params=True)
-    if layout.plan.layer_inputs_on_host:
-        model_config = dataclasses.replace(model_config, layer_input_on_host=True)
+    # The plan hands the model its settings in one step.
+    model_config = dataclasses.replace(inp.decoder, **model_settings(fp8, layout.plan))
     return Experiment(
         config=config,
         mesh=mesh,

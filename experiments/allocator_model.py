@@ -88,7 +88,7 @@ def plan_8b(compiled_under: float):
     _, name, overrides, _ = next(v for v in VARIANTS if v[0] == VARIANT)
     c = load_config(str(ROOT / f"configs/{name}.py"), [*overrides, *ON_THE_H200])
     extra = {(True, c.model.remat): -int(compiled_under * GiB)}
-    return c, train._build(c, make_mesh(c.mesh), extra)
+    return c, train.build(c, make_mesh(c.mesh), fit_compiled=False, extra_activations=extra)
 
 
 class Replay:
@@ -98,7 +98,7 @@ class Replay:
     def __init__(self, c, exp, pool: int, in_place: bool):
         import jax
 
-        from angel_jax.offload.planner import local_bytes
+        from angel_jax.planning.plan import local_bytes
 
         update = exp.streamed_update
         self.compute = [local_bytes(x) for x in jax.tree.leaves(exp.abstract_state.compute_params)]
@@ -107,7 +107,10 @@ class Replay:
         self.layers = collections.Counter(ch.weight for ch in self.chunks)
         # Per chunk, the bytes of the leaves it moves (its master and state, unless resident).
         self.moved = [
-            [local_bytes([ch.master, *jax.tree.leaves(ch.state)][i]) for i in update._moves[k][1]]
+            [
+                local_bytes([ch.master, *jax.tree.leaves(ch.state)][i])
+                for i in update.moves.moving(k)
+            ]
             for k, ch in enumerate(self.chunks)
         ]
         self.microbatches = c.train.microbatches

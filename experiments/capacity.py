@@ -91,7 +91,7 @@ def deepest(a, optimizer, policy) -> tuple[int, dict] | None:
             if lo == 0 or len(refused) == 5:
                 return None
     p = exp.plan
-    from angel_jax.offload import tiers
+    from angel_jax.planning import tiers
 
     return lo, dict(
         # The pinned-host pool's settings that hold this plan (tiers.pool_advice).

@@ -26,8 +26,7 @@ case overlaps if it takes about max(compute, copies) rather than their sum:
                           memory space, as the update in the step issues them): does one
                           program move both directions at once? (H200, jax 0.11.2: no.
                           Each alone 156 ms, both 295-308 ms (276 with 32 copies open), the
-                          copies one at a time over 4 streams, whatever `--xla` options:
-                          README "Update inside the step", `copy_duplex_probe.json`.)
+                          copies one at a time over 4 streams, whatever `--xla` options.)
   in program both, barrier
                           the same with every source made ready at one point (an
                           optimization barrier), so that no copy's start follows another's end

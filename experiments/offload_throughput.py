@@ -30,13 +30,13 @@ HYBRID = [*OPT, "--config.offload.cpu_update=-1"]  # The share picked from measu
 IN_FLIGHT_8 = ["--config.offload.chunks_in_flight=8"]
 # Every chunk (llama_1b has 201) fetched before the step and sent home beside the next one.
 ALL_IN_FLIGHT = ["--config.offload.chunks_in_flight=1000"]
-DELAYED = ["--config.offload.delayed_update=true"]  # Stale by one step: see the README.
+DELAYED = ["--config.offload.delayed_update=true"]  # Stale by one step (docs/zero-cache.md).
 MICRO_4 = ["--config.train.batch_size=32", "--config.train.microbatches=4"]
 MICRO_4_OF_8 = ["--config.train.microbatches=4"]  # llama_1b's 8 x 2048 in 4 microbatches.
 # The masters kept whole in host memory (before config.offload.split_masters, the default).
 WHOLE_MASTERS = ["--config.offload.split_masters=false"]
 BF16_MU = ["--config.train.mu_dtype=bfloat16"]  # AdamW's first moment (changes the math).
-# The remat the 8B rows measured before the config took auto (README's rows).
+# The remat the 8B rows measured before the config took auto.
 DOTS_NO_BATCH = ["--config.model.remat=dots_no_batch"]
 # The ZeRO-Cache issue's 8B benchmark shape: 16 x 8192 tokens (128k) a step.
 TOKENS_128K = ["--config.zero_stage=1", "--config.train.batch_size=16"]
@@ -46,7 +46,7 @@ BIG = ["--config.zero_stage=1", "--config.train.batch_size=128", *DOTS_NO_BATCH]
 FP8 = ["--config.fp8.matmul=true", "--config.fp8.lm_head=true"]
 # The update inside the step's program (config.offload.update_in_step) and its references: the
 # layers unrolled for all, and no clipping (without it a layer's update need not wait for the
-# global grad norm, that is for the whole backward pass: README "Update inside the step").
+# global grad norm, that is for the whole backward pass: docs/zero-cache.md "The update").
 UNROLLED = ["--config.model.scan_layers=false"]
 NO_CLIP = [*UNROLLED, "--config.train.grad_clip=0"]
 IN_STEP = ["--config.offload.update_in_step=true"]

@@ -82,16 +82,23 @@ def predictions(results: list[dict]) -> None:
     """Adds the planner's split, predicted critical path and slowest stage (in FLOPs) to
     every pipeline run (after every child has finished: this imports JAX)."""
     sys.path.insert(0, str(ROOT))
+    from angel_jax import machine
     from angel_jax.config import load_config
     from angel_jax.models import make_model
-    from angel_jax.parallel.stage_plan import make_pipeline_plan
+    from angel_jax.planning.inputs import plan_input
+    from angel_jax.planning.stage_plan import make_pipeline_plan
 
     shape = dict(data=1, pipeline=2, expert=1, context=1, sequence=1, tensor=1)
     for r in results:
         if "--config.mesh.pipeline=2" not in r["overrides"]:
             continue
         config = load_config(CONFIG, r["overrides"])
-        plan = make_pipeline_plan(config, make_model(config.model, "gpu")[0], shape)
+        cfg = make_model(config.model, "gpu")[0]
+        machine.describe("gpu", machine.host_available())  # Planned as on the GPU that ran.
+        try:
+            plan = make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)
+        finally:
+            machine.describe(None)
         r.update(
             layers_per_chunk=list(plan.layout.layers_per_chunk),
             predicted_step_flops=plan.step_flops(),

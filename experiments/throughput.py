@@ -507,7 +507,7 @@ def _moved_bytes(exp) -> int:
     """The bytes the device's update moves each way a step: its host-memory chunks'."""
     import jax
 
-    from angel_jax.offload.tiers import HOST
+    from angel_jax.planning.tiers import HOST
 
     return sum(
         x.size * x.dtype.itemsize

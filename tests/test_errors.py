@@ -28,7 +28,7 @@ from angel_jax.generate import main as generate_main
 from angel_jax.lock import hold_workdir
 from angel_jax.mesh import make_mesh, mesh_shape
 from angel_jax.monitor import EXIT_SAVE_FAILED
-from angel_jax.offload.tiers import measured_budget
+from angel_jax.planning.tiers import measured_budget
 from angel_jax.sharding import axis_rules
 from angel_jax.train import build
 
@@ -391,6 +391,7 @@ def test_cli_corrupt_checkpoint(trained, tmp_path, damage):
     )
     assert "the config they were saved with" in line
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+    assert "reading step 2 failed" in (workdir / "orbax.log").read_text()  # orbax's report.
 
 
 def test_cli_truncated_latest_checkpoint_falls_back(trained, tmp_path):
@@ -583,23 +584,26 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_it_is_written
 
 
 def test_a_changed_model_resumes_to_one_line(trained, tmp_path):
-    """Once 60 to 1,365 lines of orbax's abandoned reads followed the error line; they go to
-    the workdir's orbax.log."""
+    """Once 60 to 1,365 lines of orbax's abandoned reads followed the error line; now the
+    shapes are compared before anything is read, and the line names the setting that changed
+    (tests/test_elastic_resume.py: a changed vocabulary too)."""
     workdir = tmp_path / "run"
     shutil.copytree(trained, workdir)
     result = launch(workdir, "--config.data.synthetic=true", "--config.model.d_model=256")
-    assert_one_line_error(result, "none of the checkpoints", "If the model config changed")
-    assert "not compatible" in (workdir / "orbax.log").read_text()
+    assert_one_line_error(
+        result, "holds a model of other shapes", "config.model.d_model=128 (this run: 256)"
+    )
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
 
 
 def test_emulated_cpu_devices_share_the_hosts_memory():
     """Eight emulated devices each planned against the whole RAM let through a batch that
     needed twice the machine's memory."""
     config = load_config(TINY, [])
-    budget = measured_budget(config, make_mesh(config.mesh))
+    budget = measured_budget(config, make_mesh(config.mesh).size)
     assert jax.device_count() == 8
     assert 8 * budget["device"] <= machine.host_available() * 1.05  # RAM moves a little.
-    one = measured_budget(config, make_mesh(config.mesh, jax.devices()[:1]))
+    one = measured_budget(config, make_mesh(config.mesh, jax.devices()[:1]).size)
     assert one["device"] > 4 * budget["device"]
 
 

@@ -168,7 +168,7 @@ def test_finetune_recipe_starts_from_the_imported_weights(tmp_path):
     restored = checkpoint.Restored(7, state, 3, [])
     ckpt = types.SimpleNamespace(restore_latest=lambda *args: restored, directory=tmp_path)
     exp.init_state = lambda: pytest.fail("imported again despite a checkpoint")
-    _, data_index = loop._restore_or_init(exp, ckpt, None, lambda message: None)
+    _, data_index = loop.restore_or_init(exp, ckpt, None, lambda message: None)
     assert data_index == 3
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from angel_jax.config import default_config
 from angel_jax.mesh import make_mesh
-from angel_jax.offload.tiers import DEVICE
+from angel_jax.planning.tiers import DEVICE
 from angel_jax.train import build
 
 # moe_1b in small: routed and shared experts with more parameters than the tokens' saved

@@ -13,7 +13,7 @@ from angel_jax.config import ConfigError, default_config, load_config
 from angel_jax.layers import apply_rope
 from angel_jax.losses import cross_entropy
 from angel_jax.models.llama import Llama, LlamaConfig
-from angel_jax.parallel import stage_plan
+from angel_jax.planning.activations import layer_flops
 
 
 def test_cross_entropy_matches_optax_and_adds_z_loss():
@@ -89,7 +89,7 @@ def test_flops_per_token_counts_bidirectional_attention_whole(name, full):
     cfg, t = ClassicConfig.from_config(model, "cpu"), 128
     attention = (12 if full else 6) * cfg.num_layers * t * cfg.num_heads * cfg.head_dim
     assert cfg.flops_per_token(t) == 6 * cfg.matmul_params() + attention
-    assert stage_plan.layer_flops(cfg, t)[1] == attention / 3 / cfg.num_layers
+    assert layer_flops(cfg, t)[1] == attention / 3 / cfg.num_layers
 
 
 def test_cudnn_attention_off_gpu_is_a_config_error():

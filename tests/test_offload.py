@@ -17,9 +17,12 @@ from angel_jax.checkpoint import Checkpointer
 from angel_jax.config import ConfigError
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner
-from angel_jax.offload.planner import CompiledTooLarge
-from angel_jax.offload.tiers import DEVICE, HOST
+from angel_jax.planning import activations
+from angel_jax.planning.chunks import hybrid_share, with_cpu_update
+from angel_jax.planning.compiled import CompiledTooLarge
+from angel_jax.planning.inputs import plan_input
+from angel_jax.planning.plan import Plan
+from angel_jax.planning.tiers import DEVICE, HOST
 from angel_jax.train import build
 from tests.test_train_parity import small_config
 
@@ -183,16 +186,16 @@ def test_auto_plans_again_with_the_compiled_steps_temporaries(
     kw, mesh, ref_losses, temps = wide_eight_layers
     # An estimate 1.5 MiB off the temporaries: more than a fill leaves over, less than the
     # resident chunks' room.
-    off, estimate = 3 * 2**19 * (-1 if outgrows else 1), planner.activation_bytes
-    wrong = lambda c, m, r: {**estimate(c, m, r), "activations": temps + off - 2**18}
-    assert estimate(small_config(**kw), mesh, "none")["layer inputs"] == 2**18
-    monkeypatch.setattr(planner, "activation_bytes", wrong)
+    off, estimate = 3 * 2**19 * (-1 if outgrows else 1), activations.activation_bytes
+    wrong = lambda inp, r: {**estimate(inp, r), "activations": temps + off - 2**18}
+    assert estimate(plan_input(small_config(**kw), mesh), "none")["layer inputs"] == 2**18
+    monkeypatch.setattr(activations, "activation_bytes", wrong)
     plan = lambda policy: (
         build(small_config(offload__policy=policy, **kw), mesh, fit_compiled=False).plan
     )
     between = (plan("optimizer").tier_bytes(DEVICE) + plan("none").tier_bytes(DEVICE)) / 2
     # On a CPU, an emulated device budget is not checked against compiled sizes: here it is.
-    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    monkeypatch.setattr(steps.Step, "checks_compiled", property(lambda self: True))
     config = small_config(offload__policy="auto", offload__device_gib=between / 0.95 / 2**30, **kw)
     unfitted = build(config, mesh, fit_compiled=False)
     if outgrows:
@@ -235,8 +238,8 @@ def test_ssd_writes_while_initialising_stay_bounded(tmp_path, three_tiers, monke
 
     from angel_jax.offload import ssd
 
-    write = ssd.SSDStore._write
-    monkeypatch.setattr(ssd.SSDStore, "_write", lambda *a: (time.sleep(0.05), write(*a))[1])
+    write = ssd.SSDStore.write_file
+    monkeypatch.setattr(ssd.SSDStore, "write_file", lambda *a: (time.sleep(0.05), write(*a))[1])
     kw, _, _ = three_tiers
     config = small_config(offload__ssd_dir=str(tmp_path), **kw)
     exp = build(config, make_mesh(config.mesh))
@@ -244,7 +247,7 @@ def test_ssd_writes_while_initialising_stay_bounded(tmp_path, three_tiers, monke
 
     def counting_put(*args):
         futures = put(*args)
-        in_flight.append(sum(not f.done() for f in exp.ssd.masters._writes))
+        in_flight.append(sum(not f.done() for f in exp.ssd.masters.pending_writes))
         return futures
 
     exp.ssd.put = counting_put
@@ -370,7 +373,7 @@ def test_hybrid_update_equals_on_device(kw):
     # The CPU tier's chunks are absent from the state tree and live whole on one CPU device.
     masters = jax.tree.leaves(state.params, is_leaf=lambda x: x is None)
     assert sum(m is None for m in masters) == len(cpu.chunks)
-    for master, opt in cpu._values.values():
+    for master, opt in cpu.values.values():
         assert {d.platform for x in jax.tree.leaves((master, opt)) for d in x.devices()} == {"cpu"}
         assert all(len(x.devices()) == 1 for x in jax.tree.leaves((master, opt)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
@@ -395,7 +398,7 @@ def test_hybrid_share_is_spread_over_the_update():
     """The host's share is taken chunk by chunk as the update's order goes, so both the host
     and the device work from its start."""
     gib = 2**30
-    plan = planner.Plan(
+    plan = Plan(
         "optimizer",
         "none",
         {},
@@ -405,14 +408,14 @@ def test_hybrid_share_is_spread_over_the_update():
         1,
     )
     chunks = [((f"w{i}", None), gib // 8, gib // 4) for i in range(32)]
-    out = planner._with_cpu_update(plan, 0.25, chunks)
+    out = with_cpu_update(plan, 0.25, chunks)
     assert len(out.on_cpu) == 8 and "25% of the host chunks" in out.cpu_note
     assert out.state_bytes["CPU-updated chunks"] == 8 * (gib // 8 + gib // 4)
     assert out.state_bytes["master params"] == 4 * gib - gib
     # Every fourth chunk, not a quarter of them in a row.
     assert sorted(int(k[0][1:]) for k in out.on_cpu) == list(range(1, 32, 4))
-    assert planner._with_cpu_update(plan, 0.0, chunks) is plan
-    assert len(planner._with_cpu_update(plan, 1.0, chunks).on_cpu) == 32
+    assert with_cpu_update(plan, 0.0, chunks) is plan
+    assert len(with_cpu_update(plan, 1.0, chunks).on_cpu) == 32
 
 
 def test_hybrid_share_from_rates():
@@ -433,17 +436,17 @@ def test_hybrid_share_from_rates():
         on_link = ((1 - share) * 12 + share * 4) / link  # 2 bytes down and 2 back.
         return max(on_link, share * (1 / update + 4 / link))
 
-    share, note = planner.hybrid_share(rates, chunks, 2)
+    share, note = hybrid_share(rates, chunks, 2)
     grid = np.linspace(0, 1, 1001)
     assert seconds(share) <= min(seconds(s) for s in grid) + 1e-15
     assert 0.2 < share < 0.4 and f"picked {share:.0%}" in note and "1.40G params/s" in note
     # The same host beside copies that halve when both run (as on the H200): it does not pay.
     slowed = dict(rates, host_params_per_s_both=0.7e9, copy_bytes_per_s_both=19e9)
-    share, note = planner.hybrid_share(slowed, chunks, 2)
+    share, note = hybrid_share(slowed, chunks, 2)
     best = min(seconds(s, 19e9, 0.7e9) for s in grid)
     assert best > 0.95 * seconds(0.0)  # Against the device alone at its own rates.
     assert share == 0 and "picked 0" in note and "together 0.70G and 19.0 GB/s" in note
-    assert planner.hybrid_share(dict(rates, host_params_per_s_both=0.0), chunks, 2)[0] == 0
+    assert hybrid_share(dict(rates, host_params_per_s_both=0.0), chunks, 2)[0] == 0
 
 
 def test_hybrid_share_is_measured_when_asked(monkeypatch):
@@ -568,7 +571,7 @@ def test_update_bounds_chunks_in_flight(in_flight):
         state = exp.init_state()
         batch = exp.global_batch(make_batches(config)[0])
         with sharding.use_rules(exp.mesh, exp.rules):
-            grad_step = jax.jit(exp.steps._grad_step)
+            grad_step = jax.jit(exp.steps.grads_of_batch)
             text = grad_step.lower(state.step, state.compute_params, batch).as_text()
         return exp, state, batch, text
 
@@ -590,9 +593,9 @@ def test_update_moves_and_updates_chunks_in_groups():
     config = small_config(offload__policy="optimizer", offload__chunks_in_flight=2)
     exp = build(config, make_mesh(config.mesh))
     update, calls = exp.streamed_update, collections.Counter()
-    program, move = update._fn, update._move
-    update._fn = lambda *a: calls.update(["program"]) or program(*a)
-    update._move = lambda *a, **k: calls.update(["copy"]) or move(*a, **k)
+    program, move = update.programs.get, update.moves.move
+    update.programs.get = lambda *a: calls.update(["program"]) or program(*a)
+    update.moves.move = lambda *a, **k: calls.update(["copy"]) or move(*a, **k)
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
@@ -626,13 +629,13 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     state = exp.init_state()
     batches = make_batches(config)
     state, _ = exp.train_step(state, exp.global_batch(batches[0]))
-    leaving = list(update._leaving)
+    leaving = list(update.homebound)
     assert len(update.groups) >= 6 and len(leaving) == 4 - 2 + 1
     assert not any(x.is_deleted() for _, outs, old, _ in leaving for x in [*outs, *old])
     # The next step's prefetch leaves a group whose copies home are not done.
-    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
-    first = update._moved(
-        update.groups[0], [update._leaves(k, masters, states) for k in update.groups[0]]
+    masters, states = (exp.steps.flat(t) for t in (state.params, state.opt_state))
+    first = update.moves.moved(
+        update.groups[0], [update.moves.leaves(k, masters, states) for k in update.groups[0]]
     )
     for x in first:
         del done[id(x)]
@@ -641,8 +644,8 @@ def test_buffers_copies_read_are_deleted_only_when_the_copies_are_done(monkeypat
     old = list(leaving[2][2])
     finish(leaving[2][1])  # Its update has run, its copies home have not: the old copies go.
     finish(leaving[1][0])  # Copies home done out of order: that group goes.
-    update._delete_ready()
-    assert list(update._leaving) == [leaving[0], leaving[2]]
+    update.homebound.delete_ready()
+    assert list(update.homebound) == [leaving[0], leaving[2]]
     assert all(x.is_deleted() for x in [*leaving[1][1], *old])
     assert not any(x.is_deleted() for x in [*leaving[0][1], *leaving[0][2], *leaving[2][1]])
     for home, *_ in leaving:  # Their copies home are done: the next step deletes them.
@@ -660,10 +663,10 @@ def test_update_holds_at_most_chunks_in_flight_in_device_memory(monkeypatch):
     """The device's own count: bytes in use, sampled as each chunk's update is dispatched,
     grow by about `in_flight` chunks and no more (without the wait the host runs ahead of
     the GPU and every chunk's buffers are allocated at once)."""
-    from angel_jax.offload.stream import StreamedUpdate
+    from angel_jax.offload.programs import GroupPrograms
 
     device, samples = jax.devices()[0], []
-    make_fn = StreamedUpdate._fn
+    make_fn = GroupPrograms.get
 
     def sampled_fn(self, *args):
         fn = make_fn(self, *args)
@@ -674,7 +677,7 @@ def test_update_holds_at_most_chunks_in_flight_in_device_memory(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(StreamedUpdate, "_fn", sampled_fn)
+    monkeypatch.setattr(GroupPrograms, "get", sampled_fn)
     grown = {}
     for in_flight in (2, 6):
         config = small_config(

@@ -14,8 +14,11 @@ from angel_jax import sharding, steps
 from angel_jax.config import ConfigError
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner, stream
-from angel_jax.offload.groups import (
+from angel_jax.offload import moves, stream
+from angel_jax.planning import activations
+from angel_jax.planning.chunks import weight_sizes
+from angel_jax.planning.compiled import compiled_peak
+from angel_jax.planning.groups import (
     SLOT_MARGIN,
     chunk_part,
     group_chunks,
@@ -23,7 +26,8 @@ from angel_jax.offload.groups import (
     slot_order,
     slot_size,
 )
-from angel_jax.offload.tiers import DEVICE, HOST, USABLE
+from angel_jax.planning.plan import STEP_ONLY, UPDATE_ONLY
+from angel_jax.planning.tiers import DEVICE, HOST, USABLE
 from angel_jax.train import build
 from tests.test_offload import DELAYED, EIGHT_LAYERS, assert_updated_alike, gpu
 from tests.test_train_parity import small_config
@@ -92,7 +96,7 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
     )
     exp = build(config, make_mesh(config.mesh))
     update, events = exp.streamed_update, []
-    grad_step, fetch = exp.steps.grad_step, update._fetch
+    grad_step, fetch = exp.steps.grad_step, update.fetch
 
     def logged_grad_step(*args):
         events.append("step")
@@ -103,7 +107,7 @@ def test_update_fetches_its_first_chunks_before_the_step_is_dispatched(delayed):
         return fetch(k, *args)
 
     exp.steps.grad_step = logged_grad_step  # Before train_step is built: it keeps this one.
-    update._fetch = logged_fetch
+    update.fetch = logged_fetch
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
@@ -118,7 +122,12 @@ def _logged_dispatches(exp) -> list[str]:
     g" (group g waited home)."""
     update, events = exp.streamed_update, []
     group = {tuple(ks): g for g, ks in enumerate(update.groups)}
-    microbatch, fetch, fn, send_off = exp.steps.program, update._fetch, update._fn, update._send_off
+    microbatch, fetch, fn, send_off = (
+        exp.steps.program,
+        update.fetch,
+        update.programs.get,
+        update.homebound.send_off,
+    )
 
     def logged(event, call):
         def run(*args):
@@ -128,9 +137,9 @@ def _logged_dispatches(exp) -> list[str]:
         return run
 
     exp.steps.program = logged(lambda *_: "microbatch", microbatch)
-    update._fetch = logged(lambda g, *_: f"fetch {g}", fetch)
-    update._fn = logged(lambda ks, *_: f"update {group[tuple(ks)]}", fn)
-    update._send_off = logged(lambda entry: f"home {entry[3]}", send_off)
+    update.fetch = logged(lambda g, *_: f"fetch {g}", fetch)
+    update.programs.get = logged(lambda ks, *_: f"update {group[tuple(ks)]}", fn)
+    update.homebound.send_off = logged(lambda entry: f"home {entry[3]}", send_off)
     return events
 
 
@@ -176,10 +185,10 @@ def test_delayed_update_runs_between_the_next_steps_microbatches(microbatches, t
 
 
 def _weight_bytes(exp) -> dict:
-    """`planner.weight_sizes` of `exp`'s weights; ZeRO-1: grads laid out as the float32
+    """`chunks.weight_sizes` of `exp`'s weights; ZeRO-1: grads laid out as the float32
     compute copy, replicated."""
     compute = exp.abstract_state.compute_params
-    return planner.weight_sizes(compute, compute, exp.stacked, exp.config.model.dtype)
+    return weight_sizes(compute, compute, exp.stacked, exp.config.model.dtype)
 
 
 def _budget_for_slots(config, slot_bytes) -> tuple[float, list[int]]:
@@ -294,7 +303,7 @@ def test_update_between_microbatches_with_chunks_after_them_trains_alike(data, m
     its copies up may still run."""
     # The budget is the planner's estimate's (as on the CPU, where a set budget is not
     # checked): a GPU's compiled step may take more than that tight room.
-    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: False))
+    monkeypatch.setattr(steps.Step, "checks_compiled", property(lambda self: False))
     tail_config, _ = _slots_without_the_largest_chunks(data)
     loose_config = copy.deepcopy(tail_config)
     loose_config.offload.device_gib = 0.0
@@ -341,7 +350,9 @@ def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_a
 
     As on a GPU, no copy is found done before it is waited for (on the CPU they are done at
     once, and the groups on their way home would go early)."""
-    monkeypatch.setattr(stream, "_done", lambda x: not isinstance(x, jax.Array) or x.is_deleted())
+    monkeypatch.setattr(
+        moves, "copy_done", lambda x: not isinstance(x, jax.Array) or x.is_deleted()
+    )
     if larger_chunks_after:
         config, _ = _slots_without_the_largest_chunks()
     else:  # The host cores' chunks stay out: on the CPU they are the device's arrays.
@@ -353,7 +364,7 @@ def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_a
     plan, update, device = exp.plan, exp.streamed_update, jax.devices()[0]
     assert exp.steps.between_microbatches
     assert (update.between_groups < len(update.groups)) == larger_chunks_after
-    microbatch, fn = exp.steps.program, update._fn
+    microbatch, fn = exp.steps.program, update.programs.get
     temps = microbatch.memory_analysis().temp_size_in_bytes
     at_microbatches, at_groups, left_beside_next = [], [], []
 
@@ -365,17 +376,17 @@ def test_update_between_microbatches_holds_no_more_than_its_plan(larger_chunks_a
         at_groups.append(_device_bytes(device))
         return fn(ks, *args)
 
-    exp.steps.program, update._fn = logged_microbatch, logged_fn
+    exp.steps.program, update.programs.get = logged_microbatch, logged_fn
     before = _device_bytes(device)  # Other tests' arrays still alive in this process.
     state = exp.init_state()
     for rows in make_batches(config)[:3]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
-        left_beside_next.append(sum(update.group_bytes[e[3]] for e in update._leaving))
+        left_beside_next.append(sum(update.group_bytes[e[3]] for e in update.homebound))
     phase = lambda zeroed: {s: 0 if s in zeroed else n for s, n in plan.state_bytes.items()}
-    step = dataclasses.replace(plan, state_bytes=phase(planner.UPDATE_ONLY))
-    after_step = dataclasses.replace(plan, state_bytes=phase(planner.STEP_ONLY))
+    step = dataclasses.replace(plan, state_bytes=phase(UPDATE_ONLY))
+    after_step = dataclasses.replace(plan, state_bytes=phase(STEP_ONLY))
     before += 2**14  # The batch, metrics, counters and layer indices: not in the plan.
-    step_peak = planner.compiled_peak(step, temps)
+    step_peak = compiled_peak(step, temps)
     assert max(at_microbatches) - before <= step_peak, (at_microbatches, before, step_peak)
     update_peak = after_step.tier_bytes(DEVICE)
     assert max(at_groups) - before <= update_peak, (at_groups, before, update_peak)
@@ -394,7 +405,7 @@ def test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_o
     )
     exp = build(config, make_mesh(config.mesh))
     update, events = exp.streamed_update, []
-    move, delete = update._move, stream._delete
+    move, delete = update.moves.move, moves.delete
 
     def logged_move(ks, leaves, to_device):
         events.append("home" if not to_device else "fetch")
@@ -404,8 +415,8 @@ def test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_o
         events.append("delete" if arrays else "nothing")
         return delete(arrays)
 
-    monkeypatch.setattr(update, "_move", logged_move)
-    monkeypatch.setattr(stream, "_delete", logged_delete)
+    monkeypatch.setattr(update.moves, "move", logged_move)
+    monkeypatch.setattr(moves, "delete", logged_delete)
     state = exp.init_state()
     for rows in make_batches(config)[:2]:
         state, _ = exp.train_step(state, exp.global_batch(rows))
@@ -483,11 +494,11 @@ def test_update_between_microbatches_taken_once_the_compiled_step_gives_room(mon
     exact = build(small_config(**kw), mesh)
     temps = exact.steps.program.memory_analysis().temp_size_in_bytes
     held = {s: exact.plan.state_bytes[s] for s in ("layer inputs", "microbatch grads")}
-    estimate, over = planner.activation_bytes, 2 * exact.plan.slot_bytes
+    estimate, over = activations.activation_bytes, 2 * exact.plan.slot_bytes
     over += exact.plan.state_bytes["new compute params"]  # No room for slots at all.
-    wrong = lambda c, m, r: {**estimate(c, m, r), "activations": temps + over - sum(held.values())}
-    monkeypatch.setattr(planner, "activation_bytes", wrong)
-    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    wrong = lambda inp, r: {**estimate(inp, r), "activations": temps + over - sum(held.values())}
+    monkeypatch.setattr(activations, "activation_bytes", wrong)
+    monkeypatch.setattr(steps.Step, "checks_compiled", property(lambda self: True))
     # Room for the update between microbatches with the compiled temporaries, not the estimate.
     need = exact.plan.tier_bytes(DEVICE) + temps - sum(held.values())
     need -= exact.plan.state_bytes["activations"]
@@ -512,8 +523,8 @@ def test_a_plan_made_again_between_microbatches_reuses_the_program_that_ends_the
     _ = before.steps.program  # Both compiled (and checked).
     again = build(small_config(**kw), mesh, fit_compiled=False)
     assert again.steps.between_microbatches and again.steps.reuse_program(before.steps)
-    assert again.steps._finish_unchecked is before.steps._finish_unchecked
-    assert again.steps.finish_program is before.steps._finish_unchecked
+    assert again.steps.finish_compiled is before.steps.finish_compiled
+    assert again.steps.finish_program is before.steps.finish_compiled
 
 
 def test_delayed_update_needs_an_offloaded_update():

@@ -16,10 +16,11 @@ from angel_jax import sharding, steps
 from angel_jax.config import ConfigError
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner, stream
-from angel_jax.offload.groups import chunk_part
-from angel_jax.offload.tiers import DEVICE, HOST
+from angel_jax.offload import stream
 from angel_jax.optim import Optimizer
+from angel_jax.planning.groups import chunk_part
+from angel_jax.planning.plan import IN_TEMPORARIES
+from angel_jax.planning.tiers import DEVICE, HOST
 from angel_jax.train import build
 from tests.test_offload import IN_STEP, SPECULATING, assert_updated_alike, gpu, train
 from tests.test_train_parity import small_config
@@ -36,7 +37,7 @@ def test_unrolled_layers_share_the_streamed_updates_programs():
         state = exp.init_state()
         exp.train_step(state, exp.global_batch(make_batches(config)[0]))
         update = exp.streamed_update
-        programs[layers] = len(update._fns)
+        programs[layers] = len(update.programs)
         assert programs[layers] < len(update.groups), (programs, update.groups)
         parts = [{chunk_part(update.chunks[k].key) for k in ks} for ks in update.groups]
         assert all(len(p) == 1 for p in parts), parts  # No group spans two layers.
@@ -133,7 +134,7 @@ def test_speculative_update_in_step_equals_the_exact_one(clip, speculated, redon
         losses.append(float(metrics["loss"]))
         flags.append((int(metrics["speculated"]), int(metrics["update_redone"])))
         # A redo leaves nothing on its way home: no later step would send it off.
-        assert not exp.streamed_update._leaving
+        assert not exp.streamed_update.homebound
     assert flags == list(zip(speculated, redone, strict=True))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_updated_alike(state, ref_state)
@@ -183,7 +184,7 @@ def test_speculative_update_in_step_never_waits_for_the_norm(speculative):
     exp = build(config, make_mesh(config.mesh))
     ceiling = jax.ShapeDtypeStruct((), np.float32)
     with sharding.use_rules(exp.mesh, exp.rules):
-        # The step's program as the trainer compiles it (`InStepUpdate._lowered`).
+        # The step's program as the trainer compiles it (`InStepUpdate.lowered`).
         update = functools.partial(exp.steps.update, speculate=exp.steps.speculative)
         closed = jax.make_jaxpr(update, return_shape=True)(
             exp.abstract_state, exp.steps.abstract_batch(), ceiling
@@ -306,7 +307,7 @@ def test_update_in_step_plans_its_chunks_in_flight_beside_the_step():
     # In the step's temporaries, as the compiled step's check counts them.
     assert exp.plan.state_bytes["chunks in the step"] == sum(sizes[-3:])
     assert not {"chunks beside the step", "update chunks"} & set(exp.plan.state_bytes)
-    assert "chunks in the step" in planner.IN_TEMPORARIES
+    assert "chunks in the step" in IN_TEMPORARIES
 
 
 @pytest.mark.parametrize(
@@ -325,7 +326,7 @@ def test_update_in_step_names_the_settings_that_hold_it_after_the_backward_pass(
     config.train.grad_clip = clip
     for speculative in (False, True):
         step = types.SimpleNamespace(
-            exp=types.SimpleNamespace(config=config),
+            setup=types.SimpleNamespace(grad_clip=config.train.grad_clip),
             guarded=on_anomaly == "skip",
             speculative=speculative,
         )

@@ -13,8 +13,8 @@ from angel_jax.config import ConfigError, validate
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
 from angel_jax.offload import masters
-from angel_jax.offload.planner import local_bytes
-from angel_jax.offload.tiers import CPU, DEVICE, HOST, SSD
+from angel_jax.planning.plan import local_bytes
+from angel_jax.planning.tiers import CPU, DEVICE, HOST, SSD
 from angel_jax.train import build
 from tests.test_offload import DELAYED, IN_STEP, train
 from tests.test_train_parity import small_config

@@ -16,10 +16,12 @@ from angel_jax import machine, steps
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import planner, tiers
-from angel_jax.offload.groups import beside_step_groups
-from angel_jax.offload.planner import check_compiled
-from angel_jax.offload.tiers import DEVICE, HOST, USABLE
+from angel_jax.planning import activations, tiers
+from angel_jax.planning.chunks import on_disk_bytes, update_chunks
+from angel_jax.planning.compiled import check_compiled, compiled_peak
+from angel_jax.planning.groups import beside_step_groups
+from angel_jax.planning.inputs import plan_input
+from angel_jax.planning.tiers import DEVICE, HOST, USABLE
 from angel_jax.train import build
 from tests.test_offload import WIDE, train
 from tests.test_train_parity import small_config
@@ -68,7 +70,7 @@ def test_auto_remat_tries_the_policies_by_what_they_recompute():
         config = small_config(
             model__remat="auto", train__seq_len=seq, mesh__context=context, mesh__data=data
         )
-        return planner.remat_choices(config, make_mesh(config.mesh))
+        return activations.remat_choices(plan_input(config, make_mesh(config.mesh)))
 
     # small_config's layer: 73,728 matmul FLOPs a token; attention 128 a key position.
     assert choices(32, 4, 2) == ("dots_attention", "dots_no_batch", "attention", "full")
@@ -122,15 +124,15 @@ def test_auto_remat_takes_the_next_when_the_compiled_step_outgrows_the_device(mo
     for remat in ("dots_no_batch", "full"):
         exp = plan(remat)
         temps = exp.steps.lowered().compile().memory_analysis().temp_size_in_bytes
-        compiled_need[remat] = planner.compiled_peak(exp.plan, temps)
+        compiled_need[remat] = compiled_peak(exp.plan, temps)
     assert compiled_need["dots_no_batch"] > compiled_need["full"]
     # Room between the two compiled steps' needs, and no activations in dots_no_batch's
     # estimate.
     between = sum(compiled_need.values()) / 2 / USABLE / 2**30
-    estimate = planner.activation_bytes
-    wrong = lambda c, m, r: {**estimate(c, m, r), **({"activations": 0} if r != "full" else {})}
-    monkeypatch.setattr(planner, "activation_bytes", wrong)
-    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    estimate = activations.activation_bytes
+    wrong = lambda inp, r: {**estimate(inp, r), **({"activations": 0} if r != "full" else {})}
+    monkeypatch.setattr(activations, "activation_bytes", wrong)
+    monkeypatch.setattr(steps.Step, "checks_compiled", property(lambda self: True))
     config = small_config(model__remat="auto", offload__device_gib=between, **kw)
     assert build(config, mesh, fit_compiled=False).plan.remat == "dots_no_batch"
     exp, _, losses = train(config)
@@ -147,14 +149,14 @@ def test_auto_remat_takes_a_faster_one_when_the_compiled_step_leaves_room(monkey
     plan = lambda remat: build(small_config(model__remat=remat, **kw), mesh, fit_compiled=False)
     exp = plan("dots_no_batch")
     temps = exp.steps.lowered().compile().memory_analysis().temp_size_in_bytes
-    compiled_need = planner.compiled_peak(exp.plan, temps)
+    compiled_need = compiled_peak(exp.plan, temps)
     inflated = lambda e: e.plan.tier_bytes(DEVICE) + 2 * e.plan.state_bytes["activations"]
     usable = (inflated(plan("full")) + inflated(exp)) / 2  # Between their inflated needs.
     assert compiled_need < usable
-    estimate = planner.activation_bytes
-    wrong = lambda c, m, r: {**(e := estimate(c, m, r)), "activations": 3 * e["activations"]}
-    monkeypatch.setattr(planner, "activation_bytes", wrong)
-    monkeypatch.setattr(steps._Step, "checks_compiled", property(lambda self: True))
+    estimate = activations.activation_bytes
+    wrong = lambda inp, r: {**(e := estimate(inp, r)), "activations": 3 * e["activations"]}
+    monkeypatch.setattr(activations, "activation_bytes", wrong)
+    monkeypatch.setattr(steps.Step, "checks_compiled", property(lambda self: True))
     config = small_config(model__remat="auto", offload__device_gib=usable / USABLE / 2**30, **kw)
     assert build(config, mesh, fit_compiled=False).plan.remat == "full"
     compiles = []
@@ -315,9 +317,9 @@ def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
     state = exp.init_state()
     batches = make_batches(config)
     state, _ = exp.train_step(state, exp.global_batch(batches[0]))
-    assert [e[3] for e in update._leaving] == leaving
-    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
-    for entry in update._leaving:  # Home now: the next step's prefetch may fetch them.
+    assert [e[3] for e in update.homebound] == leaving
+    masters, states = (exp.steps.flat(t) for t in (state.params, state.opt_state))
+    for entry in update.homebound:  # Home now: the next step's prefetch may fetch them.
         done.update((id(x), x) for x in entry[0])
     assert list(update.prefetch(masters, states)) == fetched
     update.drain()
@@ -334,8 +336,8 @@ def test_the_updates_groups_beside_the_step_are_the_plans(monkeypatch):
     assert plan.fits() and "no room beside the step" in plan.table()
     state = exp.init_state()
     state, _ = exp.train_step(state, exp.global_batch(batches[0]))
-    assert not update._leaving
-    masters, states = (exp.steps._flat(t) for t in (state.params, state.opt_state))
+    assert not update.homebound
+    masters, states = (exp.steps.flat(t) for t in (state.params, state.opt_state))
     assert update.prefetch(masters, states) == {}
 
 
@@ -360,19 +362,19 @@ def test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up(mo
         chunk_tiers = [c.tier for c in update.chunks]
         _, leaving = beside_step_groups(chunk_tiers, update.groups, in_flight)
         early = update.groups[-2] if in_flight == 4 else None  # Its copies home end first.
-        move = update._move
+        move = update.moves.move
 
         def moved(ks, leaves, to_device, move=move, early=early, update=update):
             out = move(ks, leaves, to_device)
             if ks == early and not to_device:
-                done.update((id(x), x) for x in update._moved(ks, out))
+                done.update((id(x), x) for x in update.moves.moved(ks, out))
             return out
 
-        update._move = moved
+        update.moves.move = moved
         state = exp.init_state()
         for rows in batches[:2]:
             state, _ = exp.train_step(state, exp.global_batch(rows))
-            held = [e[3] for e in update._leaving]
+            held = [e[3] for e in update.homebound]
             assert set(held) <= set(leaving) and len(held) == len(set(held)), (held, leaving)
         expected = [g for g in leaving if update.groups[g] != early]
         # Every chunk in flight: each part of the params one group, all left.
@@ -514,9 +516,9 @@ def test_a_gpu_allocator_without_a_limit_asks_for_the_device_budget(monkeypatch)
     gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_in_use": 0})
     monkeypatch.setattr(tiers.jax, "local_devices", lambda: [gpu])
     with pytest.raises(ConfigError, match="config.offload.device_gib"):
-        tiers.measured_budget(config, mesh)
+        tiers.measured_budget(config, mesh.size)
     config.offload.device_gib = 40
-    assert tiers.measured_budget(config, mesh)[DEVICE] == 40 * 2**30
+    assert tiers.measured_budget(config, mesh.size)[DEVICE] == 40 * 2**30
 
 
 @pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
@@ -535,6 +537,6 @@ def test_compressed_ssd_state_halves_only_float32_leaves(mu_dtype):
     optimizer = make_optimizer(small_config(train__mu_dtype=mu_dtype).train)
     opt = placed(jax.eval_shape(lambda p: optimizer.init(p, stacked), params))
     counts = 2 * 4  # The moments' count and the schedule's, per layer.
-    on_disk = planner._chunks(params, opt, stacked, planner._on_disk)
+    on_disk = update_chunks(params, opt, stacked, on_disk_bytes)
     master, state = 256 * 128 * 4, 256 * 128 * (2 + 2) + counts
     assert on_disk == [(("['w']", i), master, state) for i in range(3)]

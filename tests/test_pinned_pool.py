@@ -10,8 +10,8 @@ import pytest
 
 from angel_jax.config import load_config
 from angel_jax.mesh import make_mesh
-from angel_jax.offload import tiers
-from angel_jax.offload.tiers import HOST, USABLE, PinnedPool, replay_pool
+from angel_jax.planning import tiers
+from angel_jax.planning.tiers import HOST, USABLE, PinnedPool, replay_pool
 from angel_jax.train import build
 
 MiB, GiB = 2**20, 2**30
@@ -58,7 +58,7 @@ def test_the_pool_grows_as_xlas_bfc_allocator_does():
     assert one.in_use == 0 and one.alloc(GiB) == x  # Freed neighbours merged: one chunk.
 
 
-# The README's record: llama3_8b at 128 x 8192 tokens a step in 64 microbatches, FP8 matmuls and
+# Record offload_8b_1m: llama3_8b at 128 x 8192 tokens a step in 64 microbatches, FP8 matmuls and
 # LM head, masters and AdamW state in pinned host memory (experiments/offload_throughput.py's
 # variant), planned for one H200 (its device budget at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95).
 RECORD = [

@@ -12,7 +12,6 @@ import pytest
 from angel_jax import sharding
 from angel_jax.config import ConfigError, load_config
 from angel_jax.data import make_batches
-from angel_jax.memory import saved_values
 from angel_jax.mesh import CONTEXT, make_mesh
 from angel_jax.models.llama import LlamaConfig, decoder_layer
 from angel_jax.parallel.pipeline import (
@@ -22,7 +21,9 @@ from angel_jax.parallel.pipeline import (
     make_schedule,
     theoretical_bubble,
 )
-from angel_jax.parallel.stage_plan import balance_layers, effective_remat, make_pipeline_plan
+from angel_jax.planning.inputs import plan_input
+from angel_jax.planning.memory import saved_values
+from angel_jax.planning.stage_plan import balance_layers, effective_remat, make_pipeline_plan
 from angel_jax.remat import REMATS, STAGE_REMATS
 from angel_jax.train import build
 from tests.hlo import collective_sizes
@@ -104,7 +105,7 @@ def llama_1b_plan(balance, stages, context=1):
     )
     cfg = LlamaConfig.from_config(config.model, "cpu")
     shape = dict(data=1, pipeline=stages, expert=1, context=context, sequence=1, tensor=1)
-    return make_pipeline_plan(config, cfg, shape)
+    return make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)
 
 
 def test_llama_1b_balanced_plan_beats_the_even_split():
@@ -358,8 +359,9 @@ def test_cudnn_attention_with_other_split_axes_is_refused():
     cfg = dataclasses.replace(LlamaConfig.from_config(config.model, "cpu"), attention="cudnn")
     shape = dict(data=2, pipeline=2, expert=1, context=1, sequence=1, tensor=1)
     with pytest.raises(ConfigError, match="config.model.attention=cudnn.*set config.model"):
-        make_pipeline_plan(config, cfg, shape)
-    make_pipeline_plan(config, cfg, {**shape, "data": 1})  # Pipeline alone: accepted.
+        make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)
+    alone = {**shape, "data": 1}
+    make_pipeline_plan(plan_input(config, alone, cfg, budget={}), cfg)  # Pipeline alone: accepted.
 
 
 def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute():

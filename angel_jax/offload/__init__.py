@@ -1,3 +1,3 @@
-"""ZeRO-Cache: the memory tiers and their budgets (`tiers`), the planner (`planner`), the
-streamed update's groups (`groups`), the offloaded state's layout (`state`), the streamed
-update (`stream`), the host cores' share of it (`cpu`) and the SSD tier (`ssd`)."""
+"""ZeRO-Cache's executors, carrying out what `angel_jax.planning` placed: the offloaded
+state's layout (`state`), the streamed update (`stream`), the host cores' share of it
+(`cpu`), the SSD tier (`ssd`) and the split float32 masters (`masters`)."""

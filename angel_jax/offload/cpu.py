@@ -5,12 +5,11 @@ The device's update moves a chunk's master and state to the device and back (12 
 parameter each way for AdamW); the host's moves only the grad down and the new compute copy up
 (2 bytes each in bf16), and runs the same optimizer code jitted for JAX's CPU backend (the same
 math, one fused loop per chunk). XLA:CPU runs one program on one core, so a pool of threads
-updates several chunks at once: on the H200 machine's 16 cores, AdamW reached 0.69G parameters/s
-on one thread and 1.4-1.5G on 4 to 14, where the memory bus saturates
-(experiments/host_update_rate.py).
+updates several chunks at once: AdamW's rate doubles from one thread to 4 and stops there,
+where the memory bus saturates (experiments/host_update_rate.py).
 
-Measured there on llama_1b, the hybrid update is
-slower than the device's alone: 0.43-0.50 s a step for shares of 24-37% against 0.34 s. The
+On llama_1b the hybrid update was slower than the device's alone at every share tried
+(24-37%), by a quarter to a half of a step. The
 host's path is not what limits it (the device's chunks finish last), but the device's path
 slows down beside it: both stream through the host's memory (the copies at about 2 x 38
 GB/s, the update at about 30 bytes a parameter) and the device's Python-driven loop shares the
@@ -31,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.masters import compute_copy
 from angel_jax.offload.stream import layer_index
-from angel_jax.offload.tiers import HOST
 from angel_jax.optim import Optimizer
+from angel_jax.planning.tiers import HOST
 
 THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # Past 4 the memory bus is the limit.
 
@@ -53,7 +52,7 @@ class CPUTier:
         self.optimizer, self.chunks, self.dtype = optimizer, chunks, dtype
         self.by_key = {(jax.tree_util.keystr(c.path), c.layer): c for c in chunks}
         self.cpu = jax.devices("cpu")[0]
-        self._values = {}  # Chunk key -> (master, state) on the CPU backend.
+        self.values = {}  # Chunk key -> (master, state) on the CPU backend.
         self._pool = futures.ThreadPoolExecutor(THREADS, thread_name_prefix="cpu-update")
         self._fns = {}
         # Thread-seconds spent, summed over the pool: where the host's share of a step goes.
@@ -61,14 +60,14 @@ class CPUTier:
         self._lock = threading.Lock()
 
     def put(self, chunk, master, state) -> tuple[futures.Future, futures.Future]:
-        self._values[chunk.key] = jax.device_put((master, state), self.cpu)
+        self.values[chunk.key] = jax.device_put((master, state), self.cpu)
         return _done(), _done()
 
     def read_all(self) -> list:
         """Every chunk's (master, state) as numpy arrays, in order: copies, since the next
         update writes into its inputs' buffers (donated: fresh output buffers cost a page
         fault a page, and ran several times slower in a first try on a 2-core CPU)."""
-        return [jax.tree.map(np.array, self._values[c.key]) for c in self.chunks]
+        return [jax.tree.map(np.array, self.values[c.key]) for c in self.chunks]
 
     def wait(self) -> None:
         pass
@@ -99,15 +98,15 @@ class CPUTier:
         return pending
 
     def _update(self, c, grad, scale, up):
-        """Copies go through pinned host memory and numpy: on the H200 a device_put between
-        the GPU and the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through
-        pinned memory at 25."""
+        """Copies go through pinned host memory and numpy: a device_put between the GPU and
+        the CPU backend ran at 1.1 GB/s a thread (4.4 the other way), through pinned memory at
+        25."""
         start = time.perf_counter()
         grad = jax.device_put(np.asarray(grad), self.cpu)  # Waits for its copy down.
         copied = time.perf_counter()
-        master, state = self._values[c.key]
+        master, state = self.values[c.key]
         master, state, new = self._fn(c)(grad, scale, master, state)
-        self._values[c.key] = (master, state)
+        self.values[c.key] = (master, state)
         new = jax.block_until_ready(new)  # The thread's core runs it: block here, not later.
         updated = time.perf_counter()
         new = jax.block_until_ready(jax.device_put(np.asarray(new), up))
@@ -136,7 +135,7 @@ def measure_rates(optimizer: Optimizer, path, dtype, seconds: float = 0.25) -> d
     CPU backend, donated as the tier's is, on the pool's THREADS threads at once) and copies
     between pinned host memory and this process's first device (bytes/s each way, down and
     back at once), each alone and then both together (they share the host's memory bus and the
-    interpreter: on the H200 the device's update slowed beside the host's, see above)."""
+    interpreter: the device's update slowed beside the host's, see above)."""
     cpu, device = jax.devices("cpu")[0], jax.local_devices()[0]
     shape = (1024, 4096)  # 4M parameters a thread: one chunk's worth of work, under a second.
 
@@ -156,7 +155,7 @@ def measure_rates(optimizer: Optimizer, path, dtype, seconds: float = 0.25) -> d
     on_device = jax.sharding.SingleDeviceSharding(device)
     there = jax.device_put(host, on_device)
     # Down and back at once, as the update's chunks in flight move: copied one after the
-    # other they measured 21 GB/s on the H200 where the update moved 38 GB/s each way.
+    # other they measured about half the rate the update moves each way.
     round_trip = lambda: jax.block_until_ready(
         (jax.device_put(host, on_device), jax.device_put(there, host_memory))
     )

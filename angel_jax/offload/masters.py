@@ -18,12 +18,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from angel_jax.planning.memory import splits_masters
+
 LOW = jnp.uint16  # The low half's dtype: what the master's tier keeps.
-
-
-def splits(compute_dtype) -> bool:
-    """Whether a compute copy of `compute_dtype` is a float32 master's high half."""
-    return np.dtype(compute_dtype) == np.dtype(jnp.bfloat16)
 
 
 def split(master: jax.Array, compute_dtype) -> tuple[jax.Array, jax.Array]:
@@ -71,7 +68,7 @@ def compute_copy(master: jax.Array, home_dtype, dtype) -> tuple[jax.Array, jax.A
     for a split master (its home in `home_dtype` LOW) its low half, else the master whole.
     A bfloat16 compute copy is the master's high half either way (`split`'s rounding),
     so that splitting changes nothing but where the bytes are."""
-    if not splits(dtype):
+    if not splits_masters(dtype):
         return master, master.astype(dtype)
     low, compute = split(master, dtype)
     return (low if home_dtype == LOW else master), compute

@@ -64,7 +64,7 @@ class SSDStore:
         self._lock = threading.Lock()  # Guards the three dicts/lists below.
         self._meta: dict[str, _Entry] = {}  # Committed writes only.
         self._last: dict[str, futures.Future] = {}  # Latest unfinished operation per key.
-        self._writes: list[futures.Future] = []  # Writes issued since the last wait().
+        self.pending_writes: list[futures.Future] = []  # Writes issued since the last wait().
 
     def write(self, key: str, tree) -> futures.Future:
         """Stores `tree` under `key` in the background; the future's result is None.
@@ -73,9 +73,9 @@ class SSDStore:
         overlaps too. Until the future is done, do not mutate, delete or donate the leaves.
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        future = self._submit(key, self._write, key, leaves, treedef)
+        future = self._submit(key, self.write_file, key, leaves, treedef)
         with self._lock:
-            self._writes.append(future)
+            self.pending_writes.append(future)
         return future
 
     def read(self, key: str) -> futures.Future:
@@ -89,7 +89,7 @@ class SSDStore:
     def wait(self) -> None:
         """Blocks until the writes issued so far are done; raises the first one's exception."""
         with self._lock:
-            writes, self._writes = self._writes, []
+            writes, self.pending_writes = self.pending_writes, []
         futures.wait(writes)
         for future in writes:
             if future.exception() is not None:
@@ -135,7 +135,7 @@ class SSDStore:
             return np.dtype(ml_dtypes.bfloat16)
         return dtype
 
-    def _write(self, key: str, leaves: list, treedef) -> None:
+    def write_file(self, key: str, leaves: list, treedef) -> None:
         stem = self._stem(key)
         try:
             arrays = [np.asarray(leaf) for leaf in leaves]

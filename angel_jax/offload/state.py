@@ -23,11 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax.offload.cpu import CPUTier
 from angel_jax.offload.masters import LOW, compute_copy, join_numpy, split, split_numpy
-from angel_jax.offload.planner import Plan
+from angel_jax.offload.moves import home_kind
 from angel_jax.offload.ssd import SSDTier
-from angel_jax.offload.stream import Chunk, home_kind, unstack, unstack_like
-from angel_jax.offload.tiers import CPU, DEVICE, SSD
+from angel_jax.offload.stream import Chunk, unstack, unstack_like
 from angel_jax.optim import Optimizer
+from angel_jax.planning.plan import Plan
+from angel_jax.planning.tiers import CPU, DEVICE, SSD
 from angel_jax.sharding import with_shardings
 
 
@@ -174,9 +175,9 @@ class OffloadedState:
         Builds the offloaded state a weight, and for a stacked weight a layer, at a time:
         the device holds the fp32 params, the compute copy made so far and one layer's
         optimizer state on its way out, never a whole weight's; SSD chunks are written with at
-        most two layers' writes pending, so neither memory holds the disk's share (on the H200,
-        building a whole weight's state at once and queueing every SSD write took the 15B model
-        to 126 GiB on the device and 159 GiB of host memory, against a plan of 104 and 85)."""
+        most two layers' writes pending, so neither memory holds the disk's share (building a
+        whole weight's state at once and queueing every SSD write took the 15B model to 126 GiB
+        on the device and 159 GiB of host memory, against a plan of 104 and 85)."""
         master_shardings = self._filled(self.state_sharding.params, "master_sharding")
         opt_shardings = self._filled(self.state_sharding.opt_state, "state_sharding")
         # Same values as the on-device init gives; on the device in the offloaded masters' layout.

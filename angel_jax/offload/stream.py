@@ -9,9 +9,8 @@ host grad sums) holds on the device.
 """
 
 import collections
-import concurrent.futures as futures
+import dataclasses
 import functools
-import re
 import time
 from typing import NamedTuple
 
@@ -22,13 +21,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax import dispatch
-from angel_jax.offload.groups import chunk_part, flight, group_chunks, slot_order
+from angel_jax.offload import moves
 from angel_jax.offload.masters import LOW, compute_copy, join
-from angel_jax.offload.planner import local_bytes
-from angel_jax.offload.tiers import CPU, DEVICE, HOST, SSD
+from angel_jax.offload.moves import Homebound, Moves
+from angel_jax.offload.programs import GroupPrograms, Space, fetch_f32
 from angel_jax.optim import Optimizer
-
-Space = jax.memory.Space  # Memory spaces inside jit: Device and Host (pinned).
+from angel_jax.planning.groups import chunk_part, flight, group_chunks, slot_order
+from angel_jax.planning.plan import local_bytes
+from angel_jax.planning.tiers import CPU, DEVICE, SSD
 
 
 def unstack(tree, stacked):
@@ -47,11 +47,6 @@ def unstack_like(tree, stacked, like):
         return tuple(jax.tree.map(lambda x, i=i: x[i], sub) for i in range(param.shape[0]))
 
     return jax.tree.map(split, like, tree, stacked)
-
-
-def fetch_f32(grad):
-    """A grad chunk on the device in float32, wherever it was."""
-    return jax.device_put(grad, Space.Device).astype(jnp.float32)
 
 
 def pipelined(fn, chunks, in_flight: int) -> list:
@@ -196,13 +191,6 @@ class Chunk(NamedTuple):
         return jax.tree.map(lambda x: x.sharding, self.state)
 
 
-def home_kind(tier: str, leaf) -> str:
-    """The memory kind a chunk's leaf lives in between steps, for a chunk on DEVICE or HOST:
-    scalars (step counts) stay on the device, where moving them would cost more than keeping
-    them."""
-    return DEVICE if tier == DEVICE or leaf.ndim == 0 else HOST
-
-
 class StreamedUpdate:
     """The ZeRO-Cache optimizer update, run after the jitted forward/backward step: each chunk's
     master and state are copied to the device, updated there, and copied back to their tier
@@ -210,15 +198,15 @@ class StreamedUpdate:
     the stacked compute buffer (donated, on the device or in host memory).
 
     Consecutive chunks of one tier move and update together, as a group: one copy call each
-    way and one program. On the H200 each chunk cost the host about 1.2 ms of runtime calls
-    (llama_1b, 201 chunks: 250 ms a step with the device idle between the updates' tiny
-    kernels, profile 2026-12-03). The planner makes the groups (`groups.group_chunks`, at most
+    way and one program. Each chunk costs the host about 1.2 ms of runtime calls, the device
+    idle between the update's tiny kernels meanwhile (250 ms a step for llama_1b's 201
+    chunks). The planner makes the groups (`groups.group_chunks`, at most
     256 MiB each unless every chunk is in flight, a larger chunk alone), so its bounds are the
     update's own.
 
     The copies are runtime transfers, not copies inside one program: XLA runs one program's
-    host->device and device->host copies one after the other (on the H200 the in-jit update
-    took the sum of both directions' copy times), while the runtime uses one stream for each
+    host->device and device->host copies one after the other (an in-jit update took the sum
+    of both directions' copy times), while the runtime uses one stream for each
     direction. Group k + `in_flight` // 2 is fetched while group k is updated, once the
     oldest groups on their way home (this update's or the last one's) are home, so that the
     device holds at most `in_flight` groups, fetched or on their way home.
@@ -279,36 +267,9 @@ class StreamedUpdate:
         }
         self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
         self.most_bytes_in_flight = 0  # Their bytes (per device).
-        self._fns = {}
-        # Per chunk, what its update's program depends on: its path but for the number of the
-        # params' part (an unrolled layer's), whether it is a stacked weight's layer, and its
-        # master's and state's shapes and shardings (`_fn`'s key).
-        self._alike = [
-            (
-                re.sub(r"\d+", "#", part),
-                jax.tree_util.keystr(c.path[1:]),
-                c.layer is None,
-                c.master,
-                jax.tree.structure(c.state),
-                tuple(jax.tree.leaves(c.state)),
-            )
-            for c, part in zip(self.chunks, parts, strict=True)
-        ]
-        # Per group on its way home, in update order: [its host copies (or SSD writes), its
-        # device outputs, the caller's old host copies, the group], deleted by `_delete_ready`.
-        self._leaving = collections.deque()
-        # Per chunk, its leaves [master, *state] flat: the ones to move between tiers, with
-        # their shardings on the device and at home. Built once: the loop is Python-bound
-        # on small chunks.
-        self._moves = []
-        for c in self.chunks:
-            leaves = [c.master, *jax.tree.leaves(c.state)]
-            moved = [
-                i for i, x in enumerate(leaves) if c.tier == SSD or home_kind(c.tier, x) != DEVICE
-            ]
-            on_device = [leaves[i].sharding for i in moved]
-            home = [x.with_memory_kind(HOST) for x in on_device]
-            self._moves.append((jax.tree.structure(c.state), moved, on_device, home))
+        self.programs = GroupPrograms(optimizer, self.chunks, parts)
+        self.moves = Moves(self.chunks)
+        self.homebound = Homebound()  # The groups on their way home.
 
     def prefetch(self, masters: list, states: list) -> dict:
         """Starts the first `in_flight` // 2 groups' copies to the device (arguments as
@@ -318,13 +279,13 @@ class StreamedUpdate:
 
         A group whose host copies are not all written yet (its copies home from the last
         update still running) is left to `__call__`: on the GPU the step dispatched after a
-        copy from an array not yet written waited for that array (H200 profile, 2026-12-03:
-        the grad step's dispatch waited 65 ms, until the last copies home were done)."""
-        self._delete_ready()  # The groups home leave the device before more come.
+        copy from an array not yet written waited for that array (the grad step's dispatch
+        waited 65 ms, until the last copies home were done)."""
+        self.homebound.delete_ready()  # The groups home leave the device before more come.
         if not self.beside_step:
             return {}
         first = range(min(self.ahead, self.between_groups))
-        return {g: self._fetch(g, masters, states) for g in first if self._home(g, masters, states)}
+        return {g: self.fetch(g, masters, states) for g in first if self._home(g, masters, states)}
 
     def _home(self, g: int, masters: list, states: list) -> bool:
         """Whether group g's host copies are all written (an SSD group is read on threads)
@@ -332,46 +293,20 @@ class StreamedUpdate:
         ks = self.groups[g]
         if self.chunks[ks[0]].tier == SSD:
             return True
-        if any(e[3] == g for e in self._leaving):
+        if any(e[3] == g for e in self.homebound):
             return False
-        return all(
-            x.is_ready() for x in self._moved(ks, [self._leaves(k, masters, states) for k in ks])
-        )
+        leaves = [self.moves.leaves(k, masters, states) for k in ks]
+        return all(x.is_ready() for x in self.moves.moved(ks, leaves))
 
-    def _leaves(self, k: int, masters: list, states: list) -> list:
-        """Chunk k's [master, *state leaves] as they are between steps."""
-        c = self.chunks[k]
-        get = lambda tree: tree[c.weight] if c.layer is None else tree[c.weight][c.layer]
-        return [get(masters), *jax.tree.leaves(get(states))]
-
-    def _moved(self, ks: list[int], leaves: list[list]) -> list:
-        """Of chunks ks' leaves, the ones that move between tiers, flat."""
-        return [x[i] for k, x in zip(ks, leaves, strict=True) for i in self._moves[k][1]]
-
-    def _move(self, ks: list[int], leaves: list[list], to_device: bool) -> list[list]:
-        """Chunks ks' leaves with the moving ones copied to the device or home, in one call."""
-        sources, targets = [], []
-        for k, chunk_leaves in zip(ks, leaves, strict=True):
-            _, moved, on_device, home = self._moves[k]
-            sources += [chunk_leaves[i] for i in moved]
-            targets += on_device if to_device else home
-        copies = iter(jax.device_put(sources, targets) if sources else [])
-        out = []
-        for k, chunk_leaves in zip(ks, leaves, strict=True):
-            chunk_leaves = list(chunk_leaves)
-            for i in self._moves[k][1]:
-                chunk_leaves[i] = next(copies)
-            out.append(chunk_leaves)
-        return out
-
-    def _fetch(self, g: int, masters: list, states: list):
+    def fetch(self, g: int, masters: list, states: list):
         """Group g on its way to the device: its chunks' leaves, or for the SSD tier (a group
         of one) futures of (master, state) read on the SSD's threads."""
         ks = self.groups[g]
         if self.chunks[ks[0]].tier == SSD:
             fetched = self.ssd.read(self.chunks[ks[0]])
         else:
-            fetched = self._move(ks, [self._leaves(k, masters, states) for k in ks], to_device=True)
+            leaves = [self.moves.leaves(k, masters, states) for k in ks]
+            fetched = self.moves.move(ks, leaves, to_device=True)
         dispatch.mark(dispatch.FETCHED_GROUP)
         return fetched
 
@@ -428,264 +363,189 @@ class StreamedUpdate:
         block with 43 GiB free; in place it runs 40). A weight's grads are let go after its
         last group.
         """
-        chunks, groups, n = self.chunks, self.groups, len(self.groups)
+        run = self._start(grads, scale, masters, states, compute, on_cpu, fetched, into_new)
+        # `run` holds copies of the lists: these would keep every grad alive to the end.
+        del grads, masters, states, compute, on_cpu, fetched
+        yield  # The first groups are on their way.
+        for g in range(len(self.groups)):
+            self._update_group(run, g)
+            yield
+        return self._finish(run)
+
+    def _start(self, grads, scale, masters, states, compute, on_cpu, fetched, into_new):
+        """`stages`' first fetches: its run's state (`_Run`), the first groups on their way."""
+        self.homebound.delete_ready()
         grads = list(grads)
-        self._delete_ready()
         # The last update's groups still on their way home (at the deque's left end).
-        older = {id(e) for e in self._leaving}
+        older = {id(e) for e in self.homebound}
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = self.start_on_cpu(grads, scale, compute)
         fetched = dict(self.prefetch(masters, states) if fetched is None else fetched)
         for g in range(min(self.ahead, self.between_groups)):  # Those `prefetch` left.
             if g not in fetched:
-                fetched[g] = self._fetch(g, masters, states)
-        stacked = {c.weight for c in chunks if c.layer is not None}
+                fetched[g] = self.fetch(g, masters, states)
+        stacked = {c.weight for c in self.chunks if c.layer is not None}
         masters, states = (
             [list(x) if w in stacked else x for w, x in enumerate(tree)]
             for tree in (masters, states)
         )
-        compute = list(compute)
-        # Weight -> [(layer, its new part)] still to write into `compute`: the device's with
-        # `into_new`, and the host cores'.
-        parts = collections.defaultdict(list)
+        # parts: weight -> [(layer, its new part)] still to write into `compute`: the device's
+        # with `into_new`, and the host cores'.
+        return _Run(
+            grads, scale, masters, states, list(compute), on_cpu, fetched, into_new, older, stacked
+        )
 
-        def put(tree, c, value):
-            if c.layer is None:
-                tree[c.weight] = value
-            else:
-                tree[c.weight][c.layer] = value
-
-        yield  # The first groups are on their way.
-        for g, ks in enumerate(groups):
-            group = [chunks[k] for k in ks]
-            if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
-                self._make_room(fetched)
-                fetched[g] = self._fetch(g, masters, states)
-                self._count_in_flight(fetched)
-            if group[0].tier == SSD:
-                master, state = (f.result() for f in fetched.pop(g))
-                leaves = self._move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
-            else:
-                leaves = fetched.pop(g)
-                # The caller's host copies (its state is donated), deleted once read.
-                old = self._moved(ks, [self._leaves(k, masters, states) for k in ks])
-                if self.slot_bytes and old:
-                    # A slot's group is large: its host copies go, once copied up, before
-                    # its new ones come, or the pinned pool would hold it twice (the 8B's
-                    # 6 GiB groups ran it out of memory, H200 2026-12-04).
-                    _wait(self._moved(ks, leaves))
-                    _delete(old)
-                    old = []
-            weights = list(dict.fromkeys(c.weight for c in group))
-            layer_grads = [
-                grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
-                for c in group
-            ]
-            update = self._fn(ks, layer_grads, compute, into_new)
-            dispatch.mark(dispatch.UPDATE_GROUP)
-            new_masters, new_states, new_compute = update(
-                layer_grads,
-                [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
-                scale,
-                [x[0] for x in leaves],
-                [self._moves[k][0].unflatten(x[1:]) for k, x in zip(ks, leaves, strict=True)],
-                [compute[w] for w in weights],
-            )
-            if into_new:
-                for c, x in zip(group, new_compute, strict=True):
-                    parts[c.weight].append((c.layer, x))
-            else:
-                for w, x in zip(weights, new_compute, strict=True):
-                    compute[w] = x
-            for w in weights:
-                if self._last_group[w] == g:
-                    grads[w] = None  # Its arrays go once the programs reading them are done.
-            outs = [
-                [m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)
-            ]
-            if group[0].tier == SSD:  # The writes hold the device outputs until written.
-                writes = list(self.ssd.put(group[0], new_masters[0], new_states[0]))
-                self._leaving.append([writes, [], [], g])
-            else:
-                device_outs = self._moved(ks, outs)
-                outs = self._move(ks, outs, to_device=False)
-                for k, c, x in zip(ks, group, outs, strict=True):
-                    put(masters, c, x[0])
-                    put(states, c, self._moves[k][0].unflatten(x[1:]))
-                if device_outs:  # A group resident on the device has nothing on its way.
-                    self._leaving.append([self._moved(ks, outs), device_outs, old, g])
-            nxt = g + self.ahead
-            # The first group larger than a slot waits for the microbatches (it is fetched
-            # when its turn comes, after the last one).
-            if nxt < n and (nxt < self.between_groups or g >= self.between_groups):
-                self._make_room(fetched)
-                fetched[nxt] = self._fetch(nxt, masters, states)
+    def _update_group(self, run: "_Run", g: int) -> None:
+        """Group g's update dispatched: fetched if it is not yet, its program run, its
+        copies home started, and the group `ahead` of it fetched."""
+        ks, n, fetched, masters, states = self.groups[g], len(self.groups), *run.trees()
+        group = [self.chunks[k] for k in ks]
+        if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
+            self.homebound.make_room(fetched, self.in_flight)
+            fetched[g] = self.fetch(g, masters, states)
             self._count_in_flight(fetched)
-            yield
+        if group[0].tier == SSD:
+            master, state = (f.result() for f in fetched.pop(g))
+            leaves = self.moves.move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
+            old = []
+        else:
+            leaves = fetched.pop(g)
+            # The caller's host copies (its state is donated), deleted once read.
+            old = self.moves.moved(ks, [self.moves.leaves(k, masters, states) for k in ks])
+            if self.slot_bytes and old:
+                # A slot's group is large: its host copies go, once copied up, before
+                # its new ones come, or the pinned pool would hold it twice (the 8B's
+                # 6 GiB groups ran it out of memory).
+                moves.wait(self.moves.moved(ks, leaves))
+                moves.delete(old)
+                old = []
+        new_masters, new_states = self._run_program(run, g, leaves)
+        outs = [[m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)]
+        if group[0].tier == SSD:  # The writes hold the device outputs until written.
+            writes = list(self.ssd.put(group[0], new_masters[0], new_states[0]))
+            self.homebound.append([writes, [], [], g])
+        else:
+            device_outs = self.moves.moved(ks, outs)
+            outs = self.moves.move(ks, outs, to_device=False)
+            for k, c, x in zip(ks, group, outs, strict=True):
+                _put(masters, c, x[0])
+                _put(states, c, self.moves.state(k, x[1:]))
+            if device_outs:  # A group resident on the device has nothing on its way.
+                self.homebound.append([self.moves.moved(ks, outs), device_outs, old, g])
+        nxt = g + self.ahead
+        # The first group larger than a slot waits for the microbatches (it is fetched
+        # when its turn comes, after the last one).
+        if nxt < n and (nxt < self.between_groups or g >= self.between_groups):
+            self.homebound.make_room(fetched, self.in_flight)
+            fetched[nxt] = self.fetch(nxt, masters, states)
+        self._count_in_flight(fetched)
+
+    def _run_program(self, run: "_Run", g: int, leaves: list):
+        """Group g's program dispatched on its fetched `leaves`: its new (masters, states);
+        its new compute copy written into `run.compute`, or with `into_new` its parts kept
+        in `run.parts`. A weight's grads go after its last group."""
+        grads, compute, ks = run.grads, run.compute, self.groups[g]
+        group = [self.chunks[k] for k in ks]
+        weights = list(dict.fromkeys(c.weight for c in group))
+        layer_grads = [
+            grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
+            for c in group
+        ]
+        update = self.programs.get(ks, layer_grads, compute, run.into_new)
+        dispatch.mark(dispatch.UPDATE_GROUP)
+        new_masters, new_states, new_compute = update(
+            layer_grads,
+            [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
+            run.scale,
+            [x[0] for x in leaves],
+            [self.moves.state(k, x[1:]) for k, x in zip(ks, leaves, strict=True)],
+            [compute[w] for w in weights],
+        )
+        if run.into_new:
+            for c, x in zip(group, new_compute, strict=True):
+                run.parts[c.weight].append((c.layer, x))
+        else:
+            for w, x in zip(weights, new_compute, strict=True):
+                compute[w] = x
+        for w in weights:
+            if self._last_group[w] == g:
+                grads[w] = None  # Its arrays go once the programs reading them are done.
+        return new_masters, new_states
+
+    def _finish(self, run: "_Run"):
+        """`stages`' value: the groups left on their way home trimmed, the host cores'
+        parts and the device's (`into_new`) written into the compute copy."""
+        n = len(self.groups)
         # This update's last groups on their way home stay on the device beside the next
         # step, as many as the planner counts (`groups.beside_step_groups`): older ones, and
         # the last update's (with fewer groups than that they would pile up), are waited for
         # first, and only then the ones home meanwhile go (else an older one would stay).
         # A group larger than a slot does not stay beside the next step's microbatch.
         keep = self.leaving if self.beside_step and self.between_groups == n else 0
-        while self._leaving and (len(self._leaving) > keep or id(self._leaving[0]) in older):
-            self._send_off(self._leaving.popleft())
-        self._delete_ready()
+        self.homebound.keep_last(keep, run.older)
+        self.homebound.delete_ready()
         start = time.perf_counter()
-        for c, new in on_cpu:  # The host cores' parts, copied up as they are written.
-            parts[c.weight].append((c.layer, new.result()))
+        for c, new in run.on_cpu:  # The host cores' parts, copied up as they are written.
+            run.parts[c.weight].append((c.layer, new.result()))
         if self.cpu:  # Waited for the host's cores.
             self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
-        for w, written in parts.items():
+        compute = run.compute
+        for w, written in run.parts.items():
             compute[w] = _write_parts(compute[w], written)
-        tuples = lambda tree: [tuple(x) if w in stacked else x for w, x in enumerate(tree)]
-        return tuples(masters), tuples(states), compute
-
-    def _delete_ready(self) -> None:
-        """Deletes what the copies of the groups on their way home (`_leaving`) have read,
-        without waiting: the caller's old host copies once the group's update has run (its
-        copies up are done), its device outputs once their copies home are done.
-
-        On the GPU (PJRT's compute-synchronized allocation) a buffer deleted while a copy
-        stream still reads it makes the compute stream wait for that copy stream: the next
-        program, a grad step or an update, would start only when the copies queued so far
-        are done (H200 profile, 2026-12-03: the grad step's first kernel waited 60-105 ms for
-        the update's copies home)."""
-        ready = lambda xs: all(_done(x) for x in xs)
-        still = collections.deque()
-        for entry in self._leaving:
-            home, device_outs, old, _ = entry
-            if old and ready(device_outs):
-                _delete(old)
-                entry[2] = []
-            if ready(home):
-                _delete([*entry[2], *device_outs])
-            else:
-                still.append(entry)
-        self._leaving = still
+        tuples = lambda tree: [tuple(x) if w in run.stacked else x for w, x in enumerate(tree)]
+        return tuples(run.masters), tuples(run.states), compute
 
     def _count_in_flight(self, fetched: dict) -> None:
         """`most_in_flight` and `most_bytes_in_flight` with the groups on the device now."""
-        on_device = [*fetched, *(e[3] for e in self._leaving)]
+        on_device = [*fetched, *(e[3] for e in self.homebound)]
         self.most_in_flight = max(self.most_in_flight, len(on_device))
         self.most_bytes_in_flight = max(
             self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
         )
 
-    def _make_room(self, fetched: dict) -> None:
-        """Sends off groups on their way home (this update's, or the last one's) until one
-        more fetched leaves at most `in_flight` on the device, the oldest waited for (not
-        those found home meanwhile: the schedule does not depend on the copies' timing)."""
-        while self._leaving and len(self._leaving) + len(fetched) >= self.in_flight:
-            self._send_off(self._leaving.popleft())
-
-    @staticmethod
-    def _send_off(entry: list) -> None:
-        """Waits for a `_leaving` group's copies home, then deletes what they read."""
-        home, device_outs, old, _ = entry
-        _wait([x for x in home if isinstance(x, futures.Future) or not x.is_deleted()])
-        _delete([*old, *device_outs])
-
     def drain(self) -> None:
         """Waits for every group on its way home and deletes what its copies read (before
         the state is replaced, e.g. restored after a rollback)."""
-        while self._leaving:
-            self._send_off(self._leaving.popleft())
+        self.homebound.drain()
 
     def start_on_cpu(self, grads: list, scale, compute: list) -> list:
         """Starts the host cores' share (`cpu.CPUTier.update`; arguments as `__call__`'s)."""
         return self.cpu.update(grads, scale, compute) if self.cpu else []
 
-    def _fn(self, ks: list[int], grads: list, compute: list, parts: bool = False):
-        """The jitted update of a group of chunks: one program per sequence of weights alike
-        (and whether each grad is stacked), not per layer, so groups alike share it: a
-        stacked weight's layers, and unrolled layers' weights (their paths alike but for the
-        layer's number, their shapes and shardings alike). It writes the new compute copy
-        into `compute`'s arrays (donated), or with `parts` returns each chunk's part of it
-        (`stages`' `into_new`) and reads `compute` only. A split master (its low half,
-        `masters.LOW`) is joined with its part of `compute` before its update and split
-        after it."""
-        group = [self.chunks[k] for k in ks]
-        # Stacked grads: the program picks the layer.
-        indexed = [g.ndim > c.master.ndim for g, c in zip(grads, group, strict=True)]
-        weights = list(dict.fromkeys(c.weight for c in group))
-        position = {w: i for i, w in enumerate(weights)}
-        key = (
-            parts,
-            *(
-                (
-                    self._alike[k],
-                    position[c.weight],
-                    i,
-                    jax.typeof(compute[c.weight]),
-                    compute[c.weight].sharding,
-                )
-                for k, c, i in zip(ks, group, indexed, strict=True)
-            ),
-        )
-        if key not in self._fns:
-            dtypes = {w: compute[w].dtype for w in weights}
 
-            def update(grads, layers, scale, masters, states, computes):
-                computes = dict(zip(weights, computes, strict=True))
-                new_masters, new_states, new_parts = [], [], []
-                for c, is_indexed, grad, layer, master, state in zip(
-                    group, indexed, grads, layers, masters, states, strict=True
-                ):
-                    if is_indexed:
-                        grad = jax.lax.dynamic_index_in_dim(grad, layer, keepdims=False)
-                    target = computes[c.weight]
-                    if master.dtype == LOW:
-                        old = target
-                        if c.layer is not None:
-                            old = jax.lax.dynamic_index_in_dim(target, layer, keepdims=False)
-                        master = join(master, old)
-                    master, state = self.optimizer.update_leaf(
-                        c.path, fetch_f32(grad) * scale, state, master
-                    )
-                    home, new = compute_copy(master, c.master.dtype, dtypes[c.weight])
-                    new_masters.append(home)
-                    new_states.append(state)
-                    if parts:
-                        new_parts.append(new)
-                        continue
-                    if c.layer is not None:
-                        new = jax.device_put(new, jax.typeof(target).memory_space)
-                        new = jax.lax.dynamic_update_index_in_dim(target, new, layer, 0)
-                    computes[c.weight] = new
-                if parts:
-                    return new_masters, new_states, new_parts
-                return new_masters, new_states, [computes[w] for w in weights]
+@dataclasses.dataclass
+class _Run:
+    """One `StreamedUpdate.stages` run's state, its lists updated group by group."""
 
-            if parts:
-                outs = [_part_sharding(compute[c.weight].sharding, c.layer) for c in group]
-            else:
-                outs = [compute[w].sharding for w in weights]
-            self._fns[key] = jax.jit(
-                update,
-                out_shardings=(
-                    [c.master_sharding for c in group],
-                    [c.state_sharding for c in group],
-                    outs,
-                ),
-                # The compute copies are updated in place, or only read (`parts`).
-                donate_argnums=(3, 4) if parts else (3, 4, 5),
-            )
-        return self._fns[key]
+    grads: list
+    scale: object
+    masters: list
+    states: list
+    compute: list
+    on_cpu: list
+    fetched: dict
+    into_new: bool
+    older: set  # Ids of the last update's groups still on their way home.
+    stacked: set  # The stacked weights (flat indices).
+    # Weight -> [(layer, its new part)] still to write into `compute`.
+    parts: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+
+    def trees(self):
+        return self.fetched, self.masters, self.states
+
+
+def _put(tree: list, c: Chunk, value) -> None:
+    """`value` in chunk c's place of a flat (masters or states) list."""
+    if c.layer is None:
+        tree[c.weight] = value
+    else:
+        tree[c.weight][c.layer] = value
 
 
 def chunk_bytes(c: Chunk) -> int:
     """A chunk's master and optimizer state bytes on one device."""
     return local_bytes([c.master, c.state])
-
-
-def _part_sharding(sharding: NamedSharding, layer: int | None) -> NamedSharding:
-    """The sharding of a chunk's part of a compute copy of `sharding`: a layer of a stacked
-    weight (the leading axis gone), or the weight whole."""
-    if layer is None:
-        return sharding
-    return sharding.update(spec=P(*tuple(sharding.spec)[1:]))
 
 
 def _write_parts(compute: jax.Array, written: list) -> jax.Array:
@@ -724,25 +584,3 @@ def _overwrite(sharding):
 def layer_index(mesh, layer: int) -> jax.Array:
     """A layer as a replicated device scalar, made once (no host->device copy per step)."""
     return jax.device_put(np.int32(layer), NamedSharding(mesh, P()))
-
-
-def _done(x) -> bool:
-    """Whether an SSD write is done, or an array ready; a ready array may be deleted since
-    (the next update read and deleted it)."""
-    if isinstance(x, futures.Future):
-        return x.done()
-    return x.is_deleted() or x.is_ready()
-
-
-def _delete(arrays: list) -> None:
-    for x in arrays:
-        x.delete()
-
-
-def _wait(pending) -> None:
-    """Blocks until a chunk is home: its arrays ready, or its SSD writes done."""
-    for x in jax.tree.leaves(pending):
-        if isinstance(x, futures.Future):
-            x.result()
-        else:
-            x.block_until_ready()

@@ -94,8 +94,8 @@ def swiglu_experts(x, gate, up, down):
 
 
 def _gather_rows(x_ND, idx_M):
-    """x's rows idx (M, D). 16-bit rows move as 32-bit words: XLA:GPU's gather then ran at 2.26
-    against 1.71 TB/s on an H200 (moe_1b's 98,304 rows of 2048 bf16)."""
+    """x's rows idx (M, D). 16-bit rows move as 32-bit words: XLA:GPU's gather moves those
+    about 1.3x as fast."""
     d = x_ND.shape[-1]
     if x_ND.dtype.itemsize != 2 or d % 2:
         return x_ND.at[idx_M].get(mode="promise_in_bounds")
@@ -106,7 +106,7 @@ def _gather_rows(x_ND, idx_M):
 
 def _summed_rows(y_MD, position_M, n: int):
     """(N, D) float32: each token's K rows of y (assignment token * K + choice is sorted row
-    position[token * K + choice]), summed. One gather-and-reduce fusion (3.9 TB/s on an H200)."""
+    position[token * K + choice]), summed. One gather-and-reduce fusion."""
     rows = y_MD.at[position_M].get(unique_indices=True, mode="promise_in_bounds")
     return jnp.sum(rows.reshape(n, -1, y_MD.shape[-1]).astype(F32), axis=1)
 

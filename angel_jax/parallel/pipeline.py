@@ -101,6 +101,9 @@ def theoretical_bubble(stages: int, microbatches: int, virtual: int = 1) -> floa
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
+# Cached: the run planner (angel_jax/plan.py) costs thousands of layouts on a few schedules. Its
+# tables are read-only, so no caller changes another's.
+@functools.cache
 def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The tick table of schedule `name`. Stage s's n-th work item (n < v m) is microbatch
     (n // (v p)) p + n % p on its chunk (n // p) % v: microbatches go in groups of p, each group
@@ -144,6 +147,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
                 slot = holder.pop(item)
                 backward[t, stage] = (mb[item], chunk[item], slot)
                 free = sorted([*free, slot])
+    forward.flags.writeable = backward.flags.writeable = False
     return Schedule(name, p, m, v, forward, backward, slots)
 
 

@@ -26,17 +26,17 @@ runs its padded slots (pipeline.py), so every chunk costs as much as the longest
 import dataclasses
 import math
 
-import jax
-import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError
 from angel_jax.family import DecoderShape
-from angel_jax.memory import per_device_widths, saved_values, state_bytes_per_param
 from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
-from angel_jax.remat import REMATS, auto_order, has_attention_results, kept
+from angel_jax.planning.activations import auto_order, layer_flops
+from angel_jax.planning.inputs import PlanInput
+from angel_jax.planning.memory import per_device_widths, saved_values, state_bytes_per_param
+from angel_jax.remat import REMATS, has_attention_results, kept
 
 ASSUMED_MFU = 0.4  # For the predicted times: a share of the device's peak FLOP/s.
 
@@ -94,11 +94,6 @@ class PipelinePlan:
             f"{self._ms(self.step_flops())} ms predicted (at {ASSUMED_MFU:.0%} of peak)"
         )
         return "\n".join(line.rstrip() for line in lines)
-
-
-def layer_flops(cfg: DecoderShape, seq_len: int) -> tuple[float, float]:
-    """(weight matmuls', attention's) forward FLOPs of one layer per token."""
-    return 2 * cfg.layer_matmul_params(), cfg.layer_attention_flops(seq_len)
 
 
 def layer_forward_flops(
@@ -164,11 +159,10 @@ def given_layers(text: str, num_layers: int, chunks: int) -> tuple[int, ...]:
     return counts
 
 
-def make_pipeline_plan(
-    config: ml_collections.ConfigDict, cfg: DecoderShape, mesh_shape: dict[str, int]
-) -> PipelinePlan:
-    """The plan for `config.pipeline` on a mesh of `mesh_shape`; checks the settings."""
-    pc, t = config.pipeline, config.train
+def make_pipeline_plan(inp: PlanInput, cfg: DecoderShape) -> PipelinePlan:
+    """The plan for config.pipeline (`inp.pipeline`) on `inp`'s mesh, for the layers of
+    `cfg` (the family's model config); checks the settings."""
+    pc, t, mesh_shape = inp.pipeline, inp.train, inp.mesh
     p, v, m = mesh_shape[PIPELINE], pc.virtual_stages, pc.microbatches
     chunks = p * v
     unsupported = {
@@ -178,7 +172,7 @@ def make_pipeline_plan(
             "the pipeline's microbatches are config.pipeline.microbatches",
         ),
         "config.offload.policy": (
-            config.offload.policy,
+            inp.offload.policy,
             "none",
             "offload is not built for pipeline stages",
         ),
@@ -216,22 +210,22 @@ def make_pipeline_plan(
     schedule = make_schedule(pc.schedule, p, m, v)
     others = math.prod(n for a, n in mesh_shape.items() if a != PIPELINE)
     tokens = t.batch_size // m * t.seq_len / others  # Per microbatch and device.
-    budget = _device_budget(config)
+    budget = inp.device_limit
     if pc.remat == "auto":
         results = has_attention_results(cfg.attention, mesh_shape[CONTEXT])
         options = auto_order(results, *layer_flops(cfg, t.seq_len))
     else:
         options = (pc.remat,)
-    plans = [_plan(config, cfg, mesh_shape, schedule, tokens, r) for r in options]
+    plans = [_plan(inp, cfg, schedule, tokens, r) for r in options]
     fitting = [plan for plan in plans if plan.memory_bytes.max() <= budget]
     return fitting[0] if fitting else plans[-1]
 
 
-def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
+def _plan(inp: PlanInput, cfg, schedule, tokens, remat) -> PipelinePlan:
     p, v = schedule.stages, schedule.virtual
-    chunks = p * v
+    chunks, mesh_shape = p * v, inp.mesh
     layer, recompute = (
-        tokens * f for f in layer_forward_flops(cfg, config.train.seq_len, remat, mesh_shape)
+        tokens * f for f in layer_forward_flops(cfg, inp.train.seq_len, remat, mesh_shape)
     )
     head = tokens * (2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size)
 
@@ -250,17 +244,17 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
         backward[-1] += 3 * head
         return forward, backward
 
-    if config.pipeline.balance == "auto":
+    if inp.pipeline.balance == "auto":
         counts = balance_layers(
             cfg.num_layers, chunks, lambda c: critical_path(schedule, *chunk_flops(c))
         )
-    elif config.pipeline.balance == "even":
+    elif inp.pipeline.balance == "even":
         counts = even_layers(cfg.num_layers, chunks)
     else:
-        counts = given_layers(config.pipeline.balance, cfg.num_layers, chunks)
+        counts = given_layers(inp.pipeline.balance, cfg.num_layers, chunks)
     forward, backward = chunk_flops(counts)
     layout = StageLayout(p, v, tuple(counts))
-    states, activations = _memory_bytes(config, cfg, mesh_shape, schedule, layout, tokens, remat)
+    states, activations = _memory_bytes(inp, cfg, schedule, layout, tokens, remat)
     return PipelinePlan(
         layout,
         schedule,
@@ -268,22 +262,22 @@ def _plan(config, cfg, mesh_shape, schedule, tokens, remat) -> PipelinePlan:
         forward,
         backward,
         states + activations,
-        peak_tflops(config.train.peak_tflops),
+        peak_tflops(inp.train.peak_tflops),
         float(activations.max()),
     )
 
 
 def _memory_bytes(
-    config, cfg, mesh_shape, schedule, layout, tokens, remat
+    inp: PlanInput, cfg, schedule, layout, tokens, remat
 ) -> tuple[np.ndarray, np.ndarray]:
     """(stages,) estimated bytes per device of (the model states, the activations); `tokens`
     are a microbatch's per device of the work (split over `tensor` too), so a device holds
     the activations of tokens x tensor."""
-    p, v = schedule.stages, schedule.virtual
+    p, v, mesh_shape = schedule.stages, schedule.virtual, inp.mesh
     dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
     rows = tokens * tp
     # fp32 masters, grads, the pipeline's grad accumulators and AdamW moments, ZeRO-split.
-    per_param = state_bytes_per_param(config.zero_stage, dp, accumulator=True)
+    per_param = state_bytes_per_param(inp.zero_stage, dp, accumulator=True)
     layer_params = cfg.layer_matmul_params()  # A dense layer's (pipelines take no experts).
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     state = (layout.slots * v * layer_params + shared) * per_param / tp
@@ -295,7 +289,7 @@ def _memory_bytes(
         cfg.head_dim,
         cfg.ffn_dim,
         tp,
-        config.model.sequence_parallel,
+        inp.model.sequence_parallel,
     )
     d = widths[0]
     saved, _ = saved_values(effective_remat(cfg, remat, mesh_shape), widths)
@@ -305,10 +299,3 @@ def _memory_bytes(
     residuals = (schedule.slots + 1) * per_slot
     logits = rows * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their grad, in a B.
     return np.full(p, state), np.full(p, residuals + logits)
-
-
-def _device_budget(config) -> float:
-    if config.offload.device_gib > 0:
-        return config.offload.device_gib * 2**30
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return float(stats.get("bytes_limit", math.inf))

@@ -24,12 +24,12 @@ CPU = "cpu"  # An update chunk's tier: plain host memory, updated by the host's 
 USABLE = 0.95
 
 
-def measured_budget(config: ml_collections.ConfigDict, mesh) -> dict[str, int]:
-    """Bytes per device for each tier: configured, else measured. Emulated CPU devices
-    (--xla_force_host_platform_device_count) share the one host's memory, so each gets its
-    share of it."""
+def measured_budget(config: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
+    """Bytes per device for each tier, for a mesh of `devices`: configured, else measured.
+    Emulated CPU devices (--xla_force_host_platform_device_count) share the one host's
+    memory, so each gets its share of it."""
     o = config.offload
-    local_devices = max(1, mesh.size // jax.process_count())
+    local_devices = max(1, devices // jax.process_count())
     if o.device_gib > 0:
         device = int(o.device_gib * 2**30)
     else:
@@ -75,8 +75,8 @@ def _pinned_pool_cap_gb() -> float:
 
 def _pool_preallocated() -> bool:
     """XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE: the pinned-host pool is allocated whole, its cap,
-    when the GPU client starts. It spares the run the pool's growth (on the H200 a 31 GiB region
-    took 13.8 s to pin, inside a step) at the cost of pinning it all at start."""
+    when the GPU client starts. It spares the run the pool's growth (pinning a 31 GiB region took
+    about 14 s, inside a step) at the cost of pinning it all at start."""
     value = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "")
     return value.lower() in ("1", "true")
 
@@ -380,7 +380,7 @@ def pool_overflow(
     plan, local_devices: int, backend: str | None = None, available: int | None = None
 ) -> str:
     """On a GPU, why XLA's pinned-host pool (as `replay_pool` models it) fails `plan` (a
-    `planner.Plan`) here: an allocation finds no room in it (the run stops, RESOURCE_EXHAUSTED),
+    `plan.Plan`) here: an allocation finds no room in it (the run stops, RESOURCE_EXHAUSTED),
     or it holds more than this host (`available` bytes; measured if None) can give beside the
     host cores' chunks and the process (the kernel's OOM killer ends the run). Names the
     settings that work; "" if it would not fail."""
@@ -450,3 +450,14 @@ def pool_note(
     note = f"{pool_env(now)} holds {now.held / 2**30:.1f} GiB, pinned"
     same = advice and (advice.cap, advice.preallocated) == (now.cap, now.preallocated)
     return note if same else f"{note}; the least that works here: {least}"
+
+
+def more_devices() -> str:
+    """The fix "more devices", but for emulated CPU devices, which share one host's memory
+    (`measured_budget`): there fewer devices give each more."""
+    if machine.backend() == "cpu" and jax.local_device_count() > 1:
+        return (
+            f"fewer emulated CPU devices (the {jax.local_device_count()} of "
+            "--xla_force_host_platform_device_count share this host's memory)"
+        )
+    return "more devices"

@@ -3,11 +3,11 @@ stacked one, with its optimizer state): which go together into one program, whic
 holds beside the step, and the slots of an update between microbatches.
 """
 
-from angel_jax.offload.tiers import DEVICE, HOST, SSD
+from angel_jax.planning.tiers import DEVICE, HOST, SSD
 
 # The streamed update's groups: a group's program holds each of its chunks' update unrolled
-# (this bounds its compile time), and past this many bytes a group's copies (5 ms at the H200's
-# 50 GB/s) outweigh the runtime calls that grouping saves (about 1.2 ms a chunk).
+# (this bounds its compile time), and past this many bytes a group's copies (5 ms at a host
+# link's 50 GB/s) outweigh the runtime calls that grouping saves (about 1.2 ms a chunk).
 MOST_CHUNKS_A_GROUP = 64
 MOST_BYTES_A_GROUP = 256 * 2**20
 # An update between microbatches spreads its moved chunks over the slots between them in

@@ -1,8 +1,11 @@
-"""The memory model both planners read: the pipeline's stage planner (parallel/stage_plan.py)
-and the ZeRO-Cache planner (offload/planner.py). What each ZeRO stage splits over `data`, the
+"""The memory model both planners read: the pipeline's stage planner (planning/stage_plan.py)
+and the ZeRO-Cache placement (planning/placement.py). What each ZeRO stage splits over `data`, the
 bytes per parameter of the model states that follow, and what a layer keeps per token for its
 backward pass under a remat policy (remat.REMATS), on one device of the mesh.
 """
+
+import ml_dtypes
+import numpy as np
 
 from angel_jax.remat import OFFLOADABLE, REMATS
 
@@ -14,6 +17,12 @@ ZERO_SPLITS = {"optimizer state": 1, "grads": 2, "params": 3}
 def zero_splits(state: str, zero_stage: int) -> bool:
     """Whether ZeRO at `zero_stage` splits `state` (a key of ZERO_SPLITS) over `data`."""
     return zero_stage >= ZERO_SPLITS[state]
+
+
+def splits_masters(compute_dtype) -> bool:
+    """Whether a compute copy of `compute_dtype` is a float32 master's high half, so that the
+    master's tier keeps only its low half (config.offload.split_masters, offload/masters.py)."""
+    return np.dtype(compute_dtype) == np.dtype(ml_dtypes.bfloat16)
 
 
 def state_bytes_per_param(zero_stage: int, data: int, *, accumulator: bool) -> float:
