@@ -1,0 +1,339 @@
+"""Step time of a training layout on a GPU cluster, for the run planner (angel_jax/plan.py).
+
+A step is compute plus what of its communication the compute does not hide:
+
+- compute: the FLOPs each device runs (forward, backward = 2 forwards, and what the remat
+  policy recomputes) at the device's peak times an efficiency. The efficiency is calibrated:
+  measured for a layer's shard on one GPU (experiments/plan_calibrate.py writes
+  experiments/records/<gpu>/plan_calibration.json), else derived from the step records on file
+  (`DEFAULT_POINTS`). It depends on the layer's matmul parameters per device (a tensor split
+  makes the matmuls narrower and less efficient), interpolated log-linearly between points.
+- collectives: ring algorithms on alpha-beta links (`all_gather_s`, `reduce_scatter_s`,
+  `all_reduce_s`): within a host NVLink, across hosts InfiniBand (figures in `GPUS`).
+- overlap: ZeRO-3's per-layer gathers and reduce-scatters run beside the compute (XLA's latency
+  hiding scheduler, inside the scan over layers) so only what exceeds the compute, and the first
+  layer's, shows; the gradient reduction of ZeRO 0-2 comes after the backward scan, whole;
+  tensor-parallel all-reduces sit between dependent matmuls and show in full; ring attention's
+  K/V passes hide behind the attention; the pipeline's bubble is the schedule's.
+
+The model is small on purpose: every term is a line below, and `Breakdown` prints each.
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from angel_jax.remat import REMATS, has_attention_results, kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """One GPU kind in a cluster of hosts of `per_host` GPUs."""
+
+    name: str
+    peak_tflops: float  # Dense bf16, as angel_jax.metrics.PEAK_TFLOPS (MFU's denominator).
+    budget_gib: float  # jax's bytes_limit at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95.
+    hbm_gbps: float
+    # NCCL bus bandwidth (GB/s per GPU) of a ring inside a host over NVLink 4: 450 GB/s a
+    # direction (900 bidirectional, NVIDIA H100 SXM datasheet); nccl-tests reach about 360
+    # without NVLink SHARP (multicast, which we never use: ../shared/JAX-FACTS.md).
+    nvlink_gbps: float
+    # InfiniBand per GPU: one 400 Gb/s NDR NIC each (8 a DGX/HGX H100 host) = 50 GB/s a
+    # direction; we assume NCCL reaches 90% of the line rate.
+    ib_gbps: float
+    nvlink_alpha_s: float  # Per ring step: a few microseconds (NCCL's LL/Simple protocols).
+    ib_alpha_s: float
+    host_gbps: float  # Host <-> device copies (../shared/JAX-FACTS.md: 52-53 GB/s each way).
+    host_gib: float  # Host memory per GPU for offloaded states: 2 TB a DGX host over 8, less OS.
+    per_host: int = 8
+
+
+GPUS = {
+    "h100": Gpu("h100", 989.0, 75.15, 3350, 360, 45, 3e-6, 8e-6, 52, 224),
+    "h200": Gpu("h200", 989.0, 132.81, 4800, 360, 45, 3e-6, 8e-6, 52, 224),
+}
+HBM_EFFICIENCY = 0.7  # Of the HBM bandwidth an optimizer update's elementwise kernels reach.
+
+
+# --- Collectives: ring algorithms, `nbytes` the full (gathered / unreduced) buffer per rank.
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    gbps: float  # Bus bandwidth per rank, GB/s.
+    alpha_s: float
+
+
+def link(gpu: Gpu, spans_hosts: bool, ranks_per_host: int) -> Link:
+    """The ring's link for a group of devices: NVLink inside a host; across hosts each rank's
+    NIC carries its share, NCCL running one ring per NIC, so a group with k ranks a host
+    has k NICs' bandwidth there, up to NVLink's."""
+    if not spans_hosts:
+        return Link(gpu.nvlink_gbps, gpu.nvlink_alpha_s)
+    return Link(min(gpu.nvlink_gbps, ranks_per_host * gpu.ib_gbps), gpu.ib_alpha_s)
+
+
+def all_gather_s(nbytes: float, n: int, ln: Link) -> float:
+    """Ring all-gather of an `nbytes` result over `n` ranks: n-1 steps, each rank receiving
+    (n-1)/n of the result."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * ln.alpha_s + (n - 1) / n * nbytes / (ln.gbps * 1e9)
+
+
+def reduce_scatter_s(nbytes: float, n: int, ln: Link) -> float:
+    """Ring reduce-scatter of an `nbytes` input: the all-gather's traffic, reversed."""
+    return all_gather_s(nbytes, n, ln)
+
+
+def all_reduce_s(nbytes: float, n: int, ln: Link) -> float:
+    """Ring all-reduce: a reduce-scatter then an all-gather, 2(n-1)/n of the buffer each way."""
+    return 2 * all_gather_s(nbytes, n, ln)
+
+
+def send_s(nbytes: float, ln: Link) -> float:
+    """One point-to-point send (a pipeline stage's activations)."""
+    return ln.alpha_s + nbytes / (ln.gbps * 1e9) if nbytes else 0.0
+
+
+# --- Compute efficiency, calibrated.
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Hardware FLOPs efficiency of a layer's forward+backward (bf16, cuDNN attention) by the
+    layer's matmul parameters on a device: (params, efficiency) points, interpolated in
+    log(params) and held flat beyond the ends."""
+
+    source: str
+    points: tuple[tuple[float, float], ...]
+    # XLA's attention (the pipeline's stages, where cuDNN's cannot run) against the layer's.
+    xla_attention_efficiency: float = 0.25
+    fp8_speedup: float = 1.0  # The step's speed-up with FP8 matmuls (no FP8 record: 1).
+
+    def efficiency(self, params_per_device: float) -> float:
+        xs, ys = zip(*sorted(self.points), strict=True)
+        return float(np.interp(math.log(params_per_device), np.log(xs), ys))
+
+
+def record_efficiency(
+    step_s: float, tokens: float, flops_per_token: float, update_s: float, peak_tflops: float
+) -> float:
+    """A measured step's compute efficiency: its FLOPs (model FLOPs plus recompute, per
+    token) over the peak for its time less the optimizer update's (modelled, `update_s`)."""
+    return tokens * flops_per_token / ((step_s - update_s) * peak_tflops * 1e12)
+
+
+# Derived with `record_efficiency` from the one-GPU records in experiments/records/<gpu>/
+# (experiments/plan_calibrate.py --from-records; tests/test_plan.py checks them against it):
+# llama_1b (8 x 2048, remat dots_attention: nothing recomputed) and fp8_8b_8layers's bf16
+# run (llama3_8b widths, 8 layers, 2 x 8192, dots_no_batch: attention recomputed). Points:
+# (layer matmul params on the device, efficiency); FP8's speed-up is that record's FP8 step
+# against its bf16 step.
+DEFAULT_POINTS = {
+    "h100": Calibration(
+        "default: experiments/records/h100 llama_1b + fp8_8b_8layers (bf16)",
+        ((44_040_192, 0.475), (218_103_808, 0.583)),
+        fp8_speedup=1.279,
+    ),
+    "h200": Calibration(
+        "default: experiments/records/h200 llama_1b + fp8_8b_8layers (bf16)",
+        ((44_040_192, 0.489), (218_103_808, 0.572)),
+        fp8_speedup=1.34,
+    ),
+}
+
+
+def calibration_path(gpu: str, root: pathlib.Path | None = None) -> pathlib.Path:
+    root = root or pathlib.Path(__file__).resolve().parents[1]
+    return root / "experiments" / "records" / gpu / "plan_calibration.json"
+
+
+def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
+    """The measured calibration (plan_calibrate.py's JSON) where one is on file, else the
+    default from the step records."""
+    path = path or calibration_path(gpu)
+    if not path.is_file():
+        return DEFAULT_POINTS[gpu]
+    data = json.loads(path.read_text())
+    default = DEFAULT_POINTS[gpu]
+    return Calibration(
+        f"measured: {path} ({data.get('device', '?')}, {data.get('date', '?')})",
+        tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
+        data.get("xla_attention_efficiency", default.xla_attention_efficiency),
+        data.get("fp8_speedup", default.fp8_speedup),
+    )
+
+
+# --- The step.
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """How a training system runs what the layout asks: what it overlaps."""
+
+    name: str
+    tp_exposed: float = 1.0  # Share of tensor-parallel collectives left on the critical path.
+    dp_overlapped: bool = False  # ZeRO 0-2's gradient reduction overlaps the backward too.
+    grad_bytes: int = 4  # The reduced gradients' bytes per parameter.
+    gather_bytes: int = 2  # ZeRO-3's gathered parameters' bytes per parameter.
+    interleaved_1f1b: bool = False  # Megatron's interleaved 1F1B bubble, not our schedules'.
+
+
+# Ours (XLA SPMD): float32 grads reduced after the scan, bf16 gathers under ZeRO-3.
+OURS = System("angel-jax")
+# Megatron-core / NeMo: TP communication overlap (userbuffers, Megatron-LM
+# --tp-comm-overlap) hides most TP traffic; DDP buckets overlap the grad reduce-scatter with
+# the backward; interleaved 1F1B. We assume a quarter of the TP traffic stays exposed.
+MEGATRON = System("megatron", 0.25, True, 4, 2, True)
+# torchtitan (FSDP2 + TP, async TP when on): the reduce-scatters overlap the backward.
+TORCHTITAN = System("torchtitan", 1.0, True, 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Seconds per step, per device, of each part (`total_s` their sum)."""
+
+    compute_s: float
+    bubble_s: float
+    tensor_s: float
+    data_s: float  # ZeRO / data-parallel collectives left exposed.
+    context_s: float
+    pipeline_s: float
+    update_s: float
+
+    @property
+    def total_s(self) -> float:
+        return sum(dataclasses.astuple(self))
+
+    def lost_to(self, best: "Breakdown") -> str:
+        """Where this step spends most beyond `best`'s, e.g. "tensor all-reduces +1.20 s"."""
+        names = {
+            "compute_s": "compute (recompute, narrower matmuls)",
+            "bubble_s": "pipeline bubble",
+            "tensor_s": "tensor all-reduces",
+            "data_s": "data-parallel/ZeRO collectives",
+            "context_s": "ring attention passes",
+            "pipeline_s": "pipeline sends",
+            "update_s": "optimizer update",
+        }
+        extra = {n: getattr(self, f) - getattr(best, f) for f, n in names.items()}
+        name = max(extra, key=extra.get)
+        return f"{name} +{extra[name]:.2f} s"
+
+
+def layer_flops_per_token(shape, seq_len: int) -> tuple[float, float]:
+    """(weight matmuls', causal attention's) forward FLOPs of one layer per token (the model's
+    own count, as planning/activations.layer_flops)."""
+    return 2 * shape.layer_matmul_params(), shape.layer_attention_flops(seq_len)
+
+
+def update_s(params_per_device: float, gpu: Gpu, offloaded: bool) -> float:
+    """An AdamW update of `params_per_device` (after ZeRO's split): on the device, its float32
+    param, grad and moments read and param and moments written (28 bytes a parameter) at HBM
+    speed; offloaded, about 12 bytes a parameter each way over the host link (the masters'
+    low halves, the moments, bf16 grads and compute copy), not hidden behind the step."""
+    if offloaded:
+        return 12 * params_per_device / (gpu.host_gbps * 1e9)
+    return 28 * params_per_device / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+
+
+def step_time(
+    shape,
+    layout,
+    seq_len: int,
+    batch: int,
+    gpu: Gpu,
+    cal: Calibration,
+    system: System = OURS,
+    critical_flops: float | None = None,
+    fp8: bool = False,
+) -> Breakdown:
+    """Seconds per step of `layout` (plan.Layout) for a model of `shape` (a DecoderShape) on
+    `batch` sequences of `seq_len` tokens. `critical_flops`: a pipeline's critical path in
+    FLOPs per device (planning/stage_plan.PipelinePlan.step_flops, our schedules); else the
+    bubble is Megatron's interleaved 1F1B's or (p-1)/(m+p-1) of the step."""
+    from angel_jax.mesh import split_over_hosts  # Floor 1; the cost model has no mesh else.
+
+    tp, pp, cp, dp, m = (
+        layout.tensor,
+        layout.pipeline,
+        layout.context,
+        layout.data,
+        layout.microbatches,
+    )
+    sizes = layout.mesh_shape()
+    inside, across = split_over_hosts(sizes, min(gpu.per_host, math.prod(sizes.values())))
+    links = {a: link(gpu, across[a] > 1, inside[a]) for a in sizes}
+    tokens = batch * seq_len / (dp * cp)  # A device group's tokens per step (all microbatches).
+    mb_tokens = tokens / m  # Per microbatch.
+    layers = shape.num_layers / pp
+
+    matmul, attention = layer_flops_per_token(shape, seq_len)
+    results = has_attention_results("cudnn" if layout.attention == "cudnn" else "xla", cp)
+    share_attention, share_matmul = REMATS[kept(layout.remat, results)].recompute or (1, 1)
+    eff = cal.efficiency(shape.layer_matmul_params() / tp)
+    if fp8:
+        eff *= cal.fp8_speedup
+    peak = gpu.peak_tflops * 1e12
+    attention_work = (3 + share_attention) * attention / tp  # Per token, per device.
+    layer_work = (3 + share_matmul) * matmul / tp + attention_work
+    xla_extra = 0.0  # XLA's attention runs at its own (lower) efficiency.
+    if layout.attention != "cudnn":
+        xla_extra = attention_work * (1 / cal.xla_attention_efficiency - 1 / eff)
+    head = 3 * 2 * shape.d_model * shape.vocab_size / tp  # LM head forward + backward.
+    per_token_s = (layers * (layer_work / eff + xla_extra) + head / pp / eff) / peak
+    compute = tokens * per_token_s
+    if critical_flops is not None:  # Our schedule's critical path, bubble included.
+        bubble = critical_flops / (peak * eff) + tokens * layers * xla_extra / peak - compute
+        bubble = max(bubble, 0.0)
+    elif pp > 1:
+        v = layout.virtual if system.interleaved_1f1b else 1
+        bubble = compute * (pp - 1) / v / m
+    else:
+        bubble = 0.0
+
+    # Tensor parallel: 2 all-reduces of (tokens, d_model) in bf16 per layer forward, 2 in the
+    # backward and 2 in a recomputed forward (Megatron's count; sequence parallel's
+    # reduce-scatter + all-gather pairs move the same bytes).
+    passes = 4 + 2 * (share_matmul > 0)
+    tensor = passes * layers * m * all_reduce_s(mb_tokens * shape.d_model * 2, tp, links["tensor"])
+    tensor *= system.tp_exposed
+
+    # Data parallel over data x context (the grads' replicas); ZeRO-3 gathers over data.
+    params = (shape.matmul_params() + shape.vocab_size * shape.d_model) / (tp * pp)
+    group = dp * cp
+    dl = links["data"] if dp > 1 else links["context"]
+    if layout.zero == 3:
+        gathers = 2 * m * all_gather_s(params * system.gather_bytes, dp, links["data"])
+        scatters = m * reduce_scatter_s(params * system.grad_bytes, group, dl)
+        dp_total = gathers + scatters
+        data = max(dp_total - compute, 0.0) + dp_total / max(layers, 1)
+    else:
+        per_mb = m if layout.zero == 2 else 1
+        dp_total = per_mb * all_reduce_s(params * system.grad_bytes, group, dl)
+        data = dp_total / max(layers, 1) if system.dp_overlapped else dp_total
+
+    # Ring attention: each layer passes K and V round the ring in the forward, K, V and their
+    # grads in the backward (and once more in a recomputed forward), beside the attention.
+    context = 0.0
+    if cp > 1:
+        kv = 2 * shape.num_kv_heads * shape.head_dim / (tp if shape.num_kv_heads % tp == 0 else 1)
+        chunk = mb_tokens * kv * 2
+        ring = (cp - 1) * send_s(chunk, links["context"]) * (3 + share_attention)
+        attn_s = mb_tokens * attention_work / (peak * eff)
+        context = layers * m * max(ring - attn_s, 0.0)
+
+    # Pipeline sends: each microbatch's activations forward and their grads back per chunk
+    # boundary; on the critical path at the fill and drain.
+    pipe = 0.0
+    if pp > 1:
+        nbytes = mb_tokens * shape.d_model * 2 / tp
+        pipe = 2 * (pp - 1) * layout.virtual * send_s(nbytes, links["pipeline"])
+
+    split = dp if layout.zero >= 1 else 1
+    upd = update_s(params / split, gpu, layout.offload == "optimizer")
+    return Breakdown(compute, bubble, tensor, data, context, pipe, upd)

@@ -1,0 +1,185 @@
+"""Calibrates the run planner's compute model (angel_jax/cost_model.py) on one GPU: times a
+transformer layer's forward + backward at the shard shapes each tensor-parallel size gives (the
+heads, KV heads and FFN split over tp, the model dim whole), in bf16 with cuDNN attention, and
+writes the efficiency points the planner reads (experiments/records/<gpu>/plan_calibration.json).
+
+    python experiments/plan_calibrate.py --config configs/llama3_70b.py --out calib.json
+    python experiments/plan_calibrate.py --from-records h100     # the default, from the records
+
+A layer's time is the difference of a model with 3 layers and one with 1 (embedding and final
+norm cancel; no LM head, no optimizer), each step timed after a warm-up. Its efficiency is the
+layer's FLOPs (6 x its matmul params + 3 x causal attention, per token) over the peak. At tp=4
+it also times the layer with XLA's attention (the pipeline's stages run it) and with FP8
+matmuls, for the planner's `xla_attention_efficiency` and `fp8_speedup`.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def layer_seconds(config, tokens: int, layers: int, reps: int) -> float:
+    """Seconds of a forward + backward of config.model with `layers` layers over `tokens`
+    tokens (one sequence), the final normed states summed (no LM head), params in bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from angel_jax.models import family_of
+
+    model = config.model
+    model.num_layers = layers
+    family = family_of(model)
+    cfg = family.make_config(model, jax.default_backend())
+    if config.fp8.matmul:  # As the trainer's build sets it (train.py).
+        cfg = dataclasses.replace(cfg, fp8_matmul=True)
+    module = family.module(cfg)
+    ids = jnp.zeros((1, tokens), jnp.int32)
+    params = jax.jit(lambda: module.init(jax.random.key(0), ids)["params"])()
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    @jax.jit
+    def step(p):
+        loss = lambda p: module.apply({"params": p}, ids, hidden=True).astype(jnp.float32).sum()
+        return jax.grad(loss)(p)
+
+    jax.block_until_ready(step(params))
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = step(params)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps
+
+
+def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str) -> dict:
+    import jax
+
+    from angel_jax import cost_model
+    from angel_jax.config import load_config
+    from angel_jax.plan import model_shape
+
+    peak = cost_model.GPUS[gpu].peak_tflops * 1e12
+    points, extra = [], {}
+    for tp in tps:
+        variants = [("bf16", [])]
+        if tp == 4 or len(tps) == 1:
+            variants += [
+                ("xla", ["--config.model.attention=xla"]),
+                ("fp8", ["--config.fp8.matmul=true"]),
+            ]
+        base = load_config(config_path)
+        shard = [
+            f"--config.model.num_heads={base.model.num_heads // tp}",
+            f"--config.model.num_kv_heads={max(base.model.num_kv_heads // tp, 1)}",
+            f"--config.model.ffn_dim={base.model.ffn_dim // tp}",
+            f"--config.model.head_dim={base.model.d_model // base.model.num_heads}",
+            "--config.model.remat=none",
+            f"--config.train.seq_len={seq_len}",
+        ]
+        for name, over in variants:
+            config = load_config(config_path, [*shard, *over])
+            shape = model_shape(config.model)
+            mm, att = 2 * shape.layer_matmul_params(), shape.layer_attention_flops(seq_len)
+            t = (
+                layer_seconds(config, seq_len, 3, reps) - layer_seconds(config, seq_len, 1, reps)
+            ) / 2
+            flops = seq_len * 3 * (mm + att)
+            row = dict(
+                tp=tp,
+                variant=name,
+                layer_params_per_device=shape.layer_matmul_params(),
+                layer_s=t,
+                efficiency=flops / (t * peak),
+            )
+            print(json.dumps(row), flush=True)
+            if name == "bf16":
+                points.append(row)
+            extra[(tp, name)] = row
+    out = dict(
+        gpu=gpu,
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        config=config_path,
+        seq_len=seq_len,
+        points=points,
+    )
+    tp = 4 if (4, "xla") in extra else tps[0]
+    if (tp, "xla") in extra:
+        bf16, xla = extra[tp, "bf16"], extra[tp, "xla"]
+        shape = model_shape(load_config(config_path).model)
+        att = 3 * shape.layer_attention_flops(seq_len) / tp * seq_len  # The shard's attention.
+        cudnn_att_s = att / (bf16["efficiency"] * peak)  # At the layer's rate: an assumption.
+        out["xla_attention_efficiency"] = att / (
+            peak * (xla["layer_s"] - bf16["layer_s"] + cudnn_att_s)
+        )
+        out["fp8_speedup"] = bf16["layer_s"] / extra[tp, "fp8"]["layer_s"]
+    return out
+
+
+def points_from_records(gpu: str, root: pathlib.Path = ROOT) -> dict:
+    """The default calibration (cost_model.DEFAULT_POINTS) derived from the one-GPU step
+    records on file: llama_1b and fp8_8b_8layers's bf16 run (their FLOPs with what their remat
+    recomputes, over the step less the modelled optimizer update), and FP8's speed-up."""
+    from angel_jax import cost_model
+    from angel_jax.config import load_config
+    from angel_jax.plan import model_shape, param_count
+    from angel_jax.remat import REMATS
+
+    records = {
+        "llama_1b": ("configs/llama_1b.py", []),
+        "fp8_8b_8layers": ("configs/llama3_8b.py", ["--config.model.num_layers=8"]),
+    }
+    points = []
+    for name, (config_path, overrides) in records.items():
+        record = json.loads((root / "experiments" / "records" / gpu / f"{name}.json").read_text())
+        r = record["results"][0]
+        shape = model_shape(load_config(str(root / config_path), overrides).model)
+        mm, att = 2 * shape.layer_matmul_params(), shape.layer_attention_flops(r["seq"])
+        share_att, share_mm = REMATS[r["remat"]].recompute
+        per_token = shape.flops_per_token(r["seq"]) + shape.num_layers * (
+            share_att * att + share_mm * mm
+        )
+        update = cost_model.update_s(param_count(shape), cost_model.GPUS[gpu], False)
+        eff = cost_model.record_efficiency(
+            r["step_s"], r["batch"] * r["seq"], per_token, update, cost_model.GPUS[gpu].peak_tflops
+        )
+        points.append(
+            dict(record=name, layer_params_per_device=shape.layer_matmul_params(), efficiency=eff)
+        )
+    return dict(gpu=gpu, points=points, fp8_speedup=record["metrics"]["x bf16"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/llama3_70b.py")
+    parser.add_argument("--gpu", default="h100", help="the peak and the records' folder")
+    parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes to time")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", help="default: experiments/records/<gpu>/plan_calibration.json")
+    parser.add_argument("--from-records", metavar="GPU", help="print the default calibration")
+    args = parser.parse_args()
+    if args.from_records:
+        print(json.dumps(points_from_records(args.from_records), indent=1))
+        return 0
+    out = measure(
+        args.config, [int(t) for t in args.tp.split(",")], args.seq_len, args.reps, args.gpu
+    )
+    path = pathlib.Path(
+        args.out or ROOT / "experiments" / "records" / args.gpu / "plan_calibration.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The run planner (angel_jax/plan.py) and its cost model (angel_jax/cost_model.py): the
+collective formulas on known cases, the memory check that refuses layouts, the command line on
+Llama 3 70B over 64 H100s, one error line where nothing fits, the default calibration against
+the records it comes from, and the compile-only route for a many-host topology."""
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+
+import pytest
+
+from angel_jax import cost_model, plan
+from angel_jax.config import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def problem(gpus=64, config="configs/llama3_70b.py", gpu="h100", overrides=()):
+    c = load_config(str(ROOT / config), list(overrides))
+    return plan.Problem(
+        c,
+        gpus,
+        cost_model.GPUS[gpu],
+        c.train.seq_len,
+        c.train.batch_size,
+        cost_model.DEFAULT_POINTS[gpu],
+    )
+
+
+def test_ring_collectives_on_known_cases():
+    ln = cost_model.Link(gbps=100, alpha_s=0.0)
+    # 8 ranks gathering 8 GB: each receives 7 GB at 100 GB/s.
+    assert cost_model.all_gather_s(8 * GB, 8, ln) == pytest.approx(0.07)
+    assert cost_model.reduce_scatter_s(8 * GB, 8, ln) == pytest.approx(0.07)
+    assert cost_model.all_reduce_s(8 * GB, 8, ln) == pytest.approx(0.14)  # 2(n-1)/n.
+    assert cost_model.all_reduce_s(8 * GB, 1, ln) == 0.0  # Nothing to talk to.
+    latency = cost_model.Link(gbps=1e12, alpha_s=1e-5)
+    assert cost_model.all_reduce_s(1, 64, latency) == pytest.approx(2 * 63 * 1e-5, rel=1e-3)
+    h100 = cost_model.GPUS["h100"]
+    assert cost_model.link(h100, False, 8).gbps == h100.nvlink_gbps
+    # Across hosts each rank's NIC carries its share: 1 rank a host gets one NIC's bandwidth,
+    # a full host is capped by NVLink.
+    assert cost_model.link(h100, True, 1).gbps == h100.ib_gbps
+    assert cost_model.link(h100, True, 8).gbps == h100.nvlink_gbps
+
+
+def test_bubble_and_tensor_traffic_follow_the_layout():
+    p = problem()
+    shape = plan.model_shape(p.config.model)
+    flat = plan.Layout(16, 4, 1, 1, 3, "full", 8)
+    base = cost_model.step_time(shape, flat, 8192, 128, p.gpu, p.calibration)
+    wider = cost_model.step_time(
+        shape, dataclasses.replace(flat, tensor=8, data=8), 8192, 128, p.gpu, p.calibration
+    )
+    assert wider.tensor_s > base.tensor_s > 0  # Larger rings and more of them per device.
+    # Megatron's interleaved 1F1B: bubble = compute (p-1)/(v m).
+    piped = plan.Layout(2, 4, 4, 2, 1, "dots_attention", 64, "circular", 5)
+    br = cost_model.step_time(shape, piped, 8192, 128, p.gpu, p.calibration, cost_model.MEGATRON)
+    assert br.bubble_s == pytest.approx(br.compute_s * 3 / 5 / 64)
+
+
+def test_the_memory_check_refuses_and_names_why():
+    p = problem()
+    shape = plan.model_shape(p.config.model)
+    zero3 = plan.evaluate(p, shape, plan.Layout(16, 4, 1, 1, 3, "dots_attention", 8))
+    assert zero3.fits
+    # Without ZeRO's split every GPU holds its tensor shard's float32 states: 70.6B / 4 x 16
+    # bytes, far over an H100.
+    replicated = plan.evaluate(p, shape, plan.Layout(16, 4, 1, 1, 0, "dots_attention", 8))
+    assert not replicated.fits
+    assert replicated.memory_gib > 70.6e9 / 4 * 16 / 2**30
+    fits, over = plan.search(p)
+    assert all(c.fits for c in fits) and all(not c.fits for c in over)
+    assert any("over memory" in line for line in plan.why_lost(fits, over))
+    # The mechanism off (a budget no layout meets): nothing may fit.
+    tight = dataclasses.replace(p, gpu=dataclasses.replace(p.gpu, budget_gib=10.0))
+    assert not plan.search(tight)[0]
+
+
+def test_cli_prints_the_plan_for_70b_on_64_h100s(capsys):
+    assert plan.main(["--config", "configs/llama3_70b.py", "--gpus", "64", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "64 x H100 (8 hosts of 8)" in out
+    assert "calibration: default" in out
+    header = next(line for line in out.splitlines() if line.startswith("layout"))
+    assert all(k in header for k in ("GiB/GPU", "step s", "tok/s/GPU", "MFU"))
+    rows = out.split(header)[1].splitlines()[1:6]
+    assert all(float(r.split()[-7]) <= 69.5 for r in rows if r.startswith("dp"))
+    assert "slower by" in out and "over memory" in out and "run the best:" in out
+
+
+def test_a_model_that_fits_nowhere_is_one_error_line(capsys):
+    code = plan.main(["--config", "configs/llama3_405b.py", "--gpus", "8", "--gpu", "h100"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: no layout of 8 H100s fits")
+
+
+def test_default_calibration_is_the_records():
+    spec = importlib.util.spec_from_file_location(
+        "plan_calibrate", ROOT / "experiments" / "plan_calibrate.py"
+    )
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    for gpu, default in cost_model.DEFAULT_POINTS.items():
+        derived = calibrate.points_from_records(gpu)
+        got = [(p["layer_params_per_device"], p["efficiency"]) for p in derived["points"]]
+        for (n, e), (dn, de) in zip(default.points, got, strict=True):
+            assert n == dn and e == pytest.approx(de, abs=1e-3)
+        assert default.fp8_speedup == pytest.approx(derived["fp8_speedup"], abs=1e-3)
+
+
+def test_published_nemo_70b_is_within_15_percent():
+    spec = importlib.util.spec_from_file_location(
+        "plan_published", ROOT / "experiments" / "plan_published.py"
+    )
+    published = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(published)
+    run = dataclasses.replace(published.RUNS[0], search=False)
+    row = published.compare(run)
+    assert abs(row["model_error"]) < 0.15, row
+
+
+@pytest.mark.skipif(
+    not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
+    reason="compile-only GPU devices need JAX's CUDA plugin",
+)
+def test_compiles_for_a_two_host_topology():
+    p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
+    got = plan.compile_layout(p, plan.Layout(2, 4, 1, 1, 3, "full", 1), hosts=2)
+    assert got["topology"] == "1x2x4"
+    assert 0 < got["compiled_peak_gib"] < 1
+    assert math.isfinite(got["temp_gib"])
+    # The program talks across the 8 devices (here XLA all-reduces the tiny model's params).
+    assert sum(c["ops"] for c in got["collectives"].values()) > 0
