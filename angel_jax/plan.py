@@ -25,9 +25,10 @@ import time
 
 import ml_collections
 
-from angel_jax import cost_model, machine
+from angel_jax import machine
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError, load_config
+from angel_jax.planning import cost_model
 from angel_jax.planning.activations import AUTO_REMATS, activation_bytes
 from angel_jax.planning.inputs import plan_input
 from angel_jax.planning.memory import state_bytes_per_param

@@ -1,4 +1,4 @@
-"""Calibrates the run planner's compute model (angel_jax/cost_model.py) on one GPU: times a
+"""Calibrates the run planner's compute model (angel_jax/planning/cost_model.py) on one GPU: times a
 transformer layer's forward + backward at the shard shapes each tensor-parallel size gives (the
 heads, KV heads and FFN split over tp, the model dim whole), in bf16 with cuDNN attention, and
 writes the efficiency points the planner reads (experiments/records/<gpu>/plan_calibration.json).
@@ -60,9 +60,9 @@ def layer_seconds(config, tokens: int, layers: int, reps: int) -> float:
 def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str) -> dict:
     import jax
 
-    from angel_jax import cost_model
     from angel_jax.config import load_config
     from angel_jax.plan import model_shape
+    from angel_jax.planning import cost_model
 
     peak = cost_model.GPUS[gpu].peak_tflops * 1e12
     points, extra = [], {}
@@ -127,9 +127,9 @@ def points_from_records(gpu: str, root: pathlib.Path = ROOT) -> dict:
     """The default calibration (cost_model.DEFAULT_POINTS) derived from the one-GPU step
     records on file: llama_1b and fp8_8b_8layers's bf16 run (their FLOPs with what their remat
     recomputes, over the step less the modelled optimizer update), and FP8's speed-up."""
-    from angel_jax import cost_model
     from angel_jax.config import load_config
     from angel_jax.plan import model_shape, param_count
+    from angel_jax.planning import cost_model
     from angel_jax.remat import REMATS
 
     records = {

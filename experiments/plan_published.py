@@ -31,9 +31,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from angel_jax import cost_model, plan  # noqa: E402
+from angel_jax import plan  # noqa: E402
 from angel_jax.config import load_config  # noqa: E402
 from angel_jax.plan import Layout, Problem  # noqa: E402
+from angel_jax.planning import cost_model  # noqa: E402
 
 L70, L405 = "configs/llama3_70b.py", "configs/llama3_405b.py"
 

@@ -1,4 +1,4 @@
-"""The run planner (angel_jax/plan.py) and its cost model (angel_jax/cost_model.py): the
+"""The run planner (angel_jax/plan.py) and its cost model (angel_jax/planning/cost_model.py): the
 collective formulas on known cases, the memory check that refuses layouts, the command line on
 Llama 3 70B over 64 H100s, one error line where nothing fits, the default calibration against
 the records it comes from, and the compile-only route for a many-host topology."""
@@ -10,8 +10,9 @@ import pathlib
 
 import pytest
 
-from angel_jax import cost_model, plan
+from angel_jax import plan
 from angel_jax.config import load_config
+from angel_jax.planning import cost_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GB = 1e9

@@ -148,7 +148,7 @@ DEFAULT_POINTS = {
 
 
 def calibration_path(gpu: str, root: pathlib.Path | None = None) -> pathlib.Path:
-    root = root or pathlib.Path(__file__).resolve().parents[1]
+    root = root or pathlib.Path(__file__).resolve().parents[2]
     return root / "experiments" / "records" / gpu / "plan_calibration.json"
 
 
