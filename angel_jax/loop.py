@@ -72,7 +72,7 @@ def _train_loop(
     from angel_jax.data import make_batches
     from angel_jax.data.loader import process_rows
     from angel_jax.mesh import make_mesh
-    from angel_jax.metrics import MetricsWriter, peak_tflops, progress_line, say
+    from angel_jax.metrics import MetricsWriter, host_metrics, peak_tflops, progress_line, say
 
     t = config.train
     mesh = make_mesh(config.mesh, devices)
@@ -160,8 +160,7 @@ def _train_loop(
 
     def log(step, device_metrics):
         nonlocal last, t_last, step_last
-        # .item(): Python ints stay ints (`skipped`), floats floats.
-        metrics = {k: np.asarray(v).item() for k, v in jax.device_get(device_metrics).items()}
+        metrics = host_metrics(device_metrics, t.microbatches)
         now = time.perf_counter()
         step_time = (now - t_last) / (step - step_last)
         metrics.update(

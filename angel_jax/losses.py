@@ -157,7 +157,9 @@ class TrainingLoss:
 
     def _with_router_losses(self, loss, metrics, variables):
         """Adds a mixture of experts' router losses (weighted) to the loss, and to the metrics
-        their values and the share of dropped assignments, averaged over the layers."""
+        their values and the share of dropped assignments, averaged over the layers, and the
+        per-layer telemetry (`moe_*`, arrays with a leading layer axis; metrics.host_metrics
+        turns them into the step's figures)."""
         if not self.has_experts:
             return loss, metrics
         (stats,) = variables["intermediates"]["moe"]
@@ -168,5 +170,9 @@ class TrainingLoss:
             router_z_loss=z,
             load_balance_loss=balance,
             dropped_fraction=jnp.sum(stats["dropped"]) / jnp.maximum(assignments, 1.0),
+            moe_tokens_per_expert=stats["expert_load"],
+            moe_dropped_tokens=stats["dropped"],
+            moe_router_entropy=stats["router_entropy"],
+            moe_router_z_loss=stats["router_z_loss"],
         )
         return loss + m.router_z_loss * z + m.load_balance_loss * balance, metrics

@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import jax
+import numpy as np
 
 # Dense bf16 peak TFLOP/s per device, by `device_kind` substring.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -35,6 +36,30 @@ def json_line(record: dict) -> str:
     return json.dumps(safe(record), allow_nan=False)
 
 
+# A mixture of experts' per-layer counts (losses.TrainingLoss), which the gradient code
+# averages over microbatches like every metric.
+MOE_COUNTS = ("moe_tokens_per_expert", "moe_dropped_tokens")
+
+
+def host_metrics(device_metrics: dict, microbatches: int) -> dict:
+    """A step's metrics as Python numbers (ints stay ints: `skipped`). A mixture of experts'
+    per-layer arrays (`moe_*`) become lists, one entry a layer: the counts summed over the
+    step's microbatches, and each layer's load imbalance, max over mean tokens per expert."""
+    out = {}
+    for name, value in jax.device_get(device_metrics).items():
+        value = np.asarray(value)
+        if name in MOE_COUNTS:
+            out[name] = np.rint(value * microbatches).astype(np.int64).tolist()
+        elif name.startswith("moe_"):
+            out[name] = value.astype(float).tolist()
+        else:
+            out[name] = value.item()
+    if "moe_tokens_per_expert" in out:
+        load = np.asarray(out["moe_tokens_per_expert"], np.float64)
+        out["moe_load_max_over_mean"] = (load.max(-1) / np.maximum(load.mean(-1), 1e-9)).tolist()
+    return out
+
+
 class MetricsWriter:
     def __init__(self, workdir: str, tensorboard: bool = True):
         self.dir = pathlib.Path(workdir)
@@ -56,7 +81,19 @@ class MetricsWriter:
             for name, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self._tb.add_scalar(name, value, step)
+                elif isinstance(value, list):  # Per layer (host_metrics).
+                    self._per_layer(name, value, step)
             self._tb.flush()
+
+    def _per_layer(self, name: str, values: list, step: int) -> None:
+        """A scalar a layer under `name/layer_NN`; a vector a layer (tokens per expert) as a
+        histogram of its entries."""
+        for i, value in enumerate(values):
+            tag = f"{name}/layer_{i:02d}"
+            if isinstance(value, list):
+                self._tb.add_histogram(tag, np.asarray(value), step)
+            else:
+                self._tb.add_scalar(tag, value, step)
 
     def close(self) -> None:
         if self._jsonl:

@@ -22,6 +22,20 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "a mixture of experts' load counts one microbatch of the step",
+        "angel_jax/metrics.py",
+        "np.rint(value * microbatches)",
+        "np.rint(value)",
+        ["tests/test_moe_telemetry.py::test_topk_load_counts_every_assignment_of_the_step"],
+    ),
+    (
+        "the router's entropy counts only the most likely expert",
+        "angel_jax/layers/moe.py",
+        "jnp.sum(probs_BTE * logits, axis=-1)",
+        "jnp.max(logits, axis=-1)",
+        ["tests/test_moe_telemetry.py::test_router_entropy_bounds"],
+    ),
+    (
         "the streamed update keys its programs by the unrolled layer's number",
         "angel_jax/offload/programs.py",
         '                re.sub(r"\\d+", "#", part),',

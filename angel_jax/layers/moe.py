@@ -33,12 +33,17 @@ F32 = jnp.float32
 
 
 def router_losses(logits_BTE, load_E):
-    """(z-loss, load-balancing loss)."""
+    """(z-loss, load-balancing loss, the router's mean entropy in nats: log E when it cannot
+    tell experts apart, 0 when every token is sure of one)."""
     logits = logits_BTE.astype(F32)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    probs = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=(0, 1))
+    logz_BT = jax.nn.logsumexp(logits, axis=-1)
+    z = jnp.mean(jnp.square(logz_BT))
+    probs_BTE = jax.nn.softmax(logits, axis=-1)
+    # -sum p log p, with log p = logits - logz.
+    entropy = jnp.mean(logz_BT - jnp.sum(probs_BTE * logits, axis=-1))
+    probs = jnp.mean(probs_BTE, axis=(0, 1))
     fraction = load_E / jnp.maximum(jnp.sum(load_E), 1.0)
-    return z, logits.shape[-1] * jnp.sum(fraction * probs)
+    return z, logits.shape[-1] * jnp.sum(fraction * probs), entropy
 
 
 class MoE(nn.Module):
@@ -76,7 +81,11 @@ class MoE(nn.Module):
             self.dispatch_chunks,
             self.kernel,
         )
-        z, balance = router_losses(logits, load)
+        z, balance, entropy = router_losses(logits, load)
         return y.astype(x_BTD.dtype), dict(
-            router_z_loss=z, load_balance_loss=balance, expert_load=load, dropped=dropped
+            router_z_loss=z,
+            load_balance_loss=balance,
+            router_entropy=entropy,
+            expert_load=load,
+            dropped=dropped,
         )
