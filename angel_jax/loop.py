@@ -72,7 +72,7 @@ def _train_loop(
     from angel_jax.data import make_batches
     from angel_jax.data.loader import process_rows
     from angel_jax.mesh import make_mesh
-    from angel_jax.metrics import MetricsWriter, host_metrics, peak_tflops, progress_line, say
+    from angel_jax.metrics import MetricsWriter, say
 
     t = config.train
     mesh = make_mesh(config.mesh, devices)
@@ -101,6 +101,76 @@ def _train_loop(
             ckpt.close()
         return None
 
+    announce(config, exp, mesh, start)
+    writer = MetricsWriter(workdir, t.tensorboard)
+    if jax.process_index() == 0:  # What this run was, for whoever reads the workdir later.
+        (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=1))
+    logger = _Logger(config, exp.model_config, mesh.size, writer, start)
+    pending = None
+    batch_iter = batches.iterate(data_index)
+    step = start
+    monitor.start(step, data_index)
+    while step < t.steps:
+        batch = exp.global_batch(next(batch_iter))
+        with jax.transfer_guard("disallow"):
+            state, metrics = train_step(state, batch)
+        step, data_index = step + 1, data_index + 1
+        if ckpt:  # A save in flight that failed stops the run at the next step.
+            ckpt.check()
+        if pending:  # Step t's metrics are read after step t+1 is dispatched.
+            logger.log(*pending)
+            pending = None
+        if logger.due(step):
+            pending = (step, metrics)
+        stopping = stop.after(step)
+        saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))
+        # Reads the previous step's loss (and this one's before a save: no anomalous state is
+        # ever saved).
+        rollback = monitor.observe(step, metrics, data_index, sync=saving)
+        if rollback:
+            ckpt.wait()  # Then free the state before restoring.
+            exp.steps.discard()  # A delayed update of the steps rolled back: dropped.
+            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+            state, _ = restore_or_init(exp, ckpt, monitor, say)
+            step, data_index = int(jax.device_get(state.step)), rollback.data_index
+            monitor.rolled_back(step, rollback)
+            batch_iter = batches.iterate(data_index)
+            pending = None
+            logger.restart(step)
+            continue
+        if saving:
+            if pending:  # Read already: metrics.jsonl is complete up to every checkpoint.
+                logger.log(*pending)
+                pending = None
+            state = exp.settled(state)  # A delayed update goes in first: resume is exact.
+            about = {"pipeline": layout_of(exp)["pipeline"], "settings": settings_of(config)}
+            ckpt.save(step, exp.checkpointed(state), data_index, *exp.checkpoint_layout, about)
+            monitor.saved(step)
+        if stopping:
+            break
+    if pending:
+        logger.log(*pending)
+    if ckpt:
+        ckpt.close()  # Waits for the last save.
+    writer.close()
+    if stop.signum is not None and step < t.steps:
+        name = signal.Signals(stop.signum).name
+        where = (
+            f", saved in {ckpt.directory / str(step)}; the same command resumes from there"
+            if ckpt
+            else "; nothing saved (config.checkpoint.every_steps=0)"
+        )
+        say(f"stopped by {name} after step {step}{where}")
+        raise Stopped(stop.signum)
+    return logger.last
+
+
+def announce(config: ml_collections.ConfigDict, exp: Experiment, mesh, start: int) -> None:
+    """The run's banner: model, mesh, kernels, the ZeRO-Cache plan, and a note for each
+    setting that changes what a step computes or reports."""
+    from angel_jax.metrics import peak_tflops, say
+
+    t = config.train
     cfg = exp.model_config
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state.params))
     mesh_text = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "1 device"
@@ -143,95 +213,51 @@ def _train_loop(
             f"warmup_steps={t.warmup_steps} moved from batch {t.lr_base_batch or t.batch_size} "
             f"to {t.batch_size} by lr_scaling={t.lr_scaling}"
         )
-    peak = peak_tflops(t.peak_tflops)
-    if peak is None:
+    if peak_tflops(t.peak_tflops) is None:
         say(
             f"note: no known peak FLOP/s for device kind {jax.devices()[0].device_kind!r}: MFU "
             "is reported as null; set config.train.peak_tflops to report it"
         )
-    flops_per_step = cfg.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
-    writer = MetricsWriter(workdir, t.tensorboard)
-    if jax.process_index() == 0:  # What this run was, for whoever reads the workdir later.
-        (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=1))
-    last = None
 
-    def due(step):
-        return step % t.log_every_steps == 0 or step == t.steps or step == start + 1
 
-    def log(step, device_metrics):
-        nonlocal last, t_last, step_last
+class _Logger:
+    """Writes a step's metrics (metrics.jsonl, TensorBoard, the progress line) with its
+    throughput and MFU over the steps since the last one logged."""
+
+    def __init__(self, config, model_config, devices: int, writer, start: int):
+        from angel_jax.metrics import peak_tflops
+
+        self.train, self.writer, self.start = config.train, writer, start
+        t = self.train
+        self.flops_per_step = model_config.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
+        peak = peak_tflops(t.peak_tflops)
+        self.peak_flops = None if peak is None else peak * 1e12 * devices
+        self.last = None  # The last logged metrics.
+        self.restart(start)
+
+    def restart(self, step: int) -> None:
+        """Times from `step` on (after a rollback, the steps before it are not counted)."""
+        self.t_last, self.step_last = time.perf_counter(), step
+
+    def due(self, step: int) -> bool:
+        t = self.train
+        return step % t.log_every_steps == 0 or step == t.steps or step == self.start + 1
+
+    def log(self, step: int, device_metrics: dict) -> None:
+        from angel_jax.metrics import host_metrics, progress_line, say
+
+        t = self.train
         metrics = host_metrics(device_metrics, t.microbatches)
         now = time.perf_counter()
-        step_time = (now - t_last) / (step - step_last)
+        step_time = (now - self.t_last) / (step - self.step_last)
+        flops = None if self.peak_flops is None else self.flops_per_step / step_time
         metrics.update(
             step_time_s=step_time,
             tokens_per_s=t.batch_size * t.seq_len / step_time,
-            mfu=None if peak is None else flops_per_step / step_time / (peak * 1e12 * mesh.size),
+            mfu=None if flops is None else flops / self.peak_flops,
         )
-        if step == start + 1:
+        if step == self.start + 1:
             metrics["includes_compile"] = True
-        writer.write(step, metrics)
+        self.writer.write(step, metrics)
         say(progress_line(step, t.steps, metrics))
-        t_last, step_last, last = now, step, metrics
-
-    t_last, step_last = time.perf_counter(), start
-    pending = None
-    batch_iter = batches.iterate(data_index)
-    step = start
-    monitor.start(step, data_index)
-    while step < t.steps:
-        batch = exp.global_batch(next(batch_iter))
-        with jax.transfer_guard("disallow"):
-            state, metrics = train_step(state, batch)
-        step, data_index = step + 1, data_index + 1
-        if ckpt:  # A save in flight that failed stops the run at the next step.
-            ckpt.check()
-        if pending:  # Step t's metrics are read after step t+1 is dispatched.
-            log(*pending)
-            pending = None
-        if due(step):
-            pending = (step, metrics)
-        stopping = stop.after(step)
-        saving = ckpt is not None and (stopping or ckpt.should_save(step, t.steps))
-        # Reads the previous step's loss (and this one's before a save: no anomalous state is
-        # ever saved).
-        rollback = monitor.observe(step, metrics, data_index, sync=saving)
-        if rollback:
-            ckpt.wait()  # Then free the state before restoring.
-            exp.steps.discard()  # A delayed update of the steps rolled back: dropped.
-            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
-            state, _ = restore_or_init(exp, ckpt, monitor, say)
-            step, data_index = int(jax.device_get(state.step)), rollback.data_index
-            monitor.rolled_back(step, rollback)
-            batch_iter = batches.iterate(data_index)
-            pending, t_last, step_last = None, time.perf_counter(), step
-            continue
-        if saving:
-            if pending:  # Read already: metrics.jsonl is complete up to every checkpoint.
-                log(*pending)
-                pending = None
-            state = exp.settled(state)  # A delayed update goes in first: resume is exact.
-            about = {"pipeline": layout_of(exp)["pipeline"], "settings": settings_of(config)}
-            ckpt.save(step, exp.checkpointed(state), data_index, *exp.checkpoint_layout, about)
-            monitor.saved(step)
-        if stopping:
-            break
-    if pending:
-        log(*pending)
-    if ckpt:
-        ckpt.close()  # Waits for the last save.
-    writer.close()
-    if stop.signum is not None and step < t.steps:
-        name = signal.Signals(stop.signum).name
-        if ckpt:
-            say(
-                f"stopped by {name} after step {step}, saved in {ckpt.directory / str(step)}; "
-                "the same command resumes from there"
-            )
-        else:
-            say(
-                f"stopped by {name} after step {step}; nothing saved "
-                "(config.checkpoint.every_steps=0)"
-            )
-        raise Stopped(stop.signum)
-    return last
+        self.last, self.t_last, self.step_last = metrics, now, step

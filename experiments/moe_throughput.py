@@ -84,12 +84,15 @@ def main() -> int:
         "(auto | jax_pallas | tokamax | xla)",
     )
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-twin", action="store_true", help="skip the dense twin")
     p.add_argument("overrides", nargs="*", help="config overrides for every run, after --")
     p.add_argument("--out", default=str(ROOT / "runs/experiments/moe_throughput.json"))
     a = p.parse_args()
     runs = moe_runs(
         a.expert, a.batch_per_device, a.routers, a.dispatch_chunks, a.moe_kernels, a.overrides
     )
+    if a.no_twin:
+        runs = runs[:-1]
     results = []
     for name, config, overrides in runs:
         timing = run_ours(str(ROOT / config), overrides, a.steps, warmup=2)

@@ -5,7 +5,7 @@ Layout. The model's layers are cut into S = p x v chunks of consecutive layers (
 virtual stages each); chunk k lives on stage k mod p, so a circular schedule passes every
 microbatch around the ring v times. Chunks may hold different numbers of layers (the planner
 balances them): each is padded to the longest, and a padded slot is skipped with `lax.cond`
-(or, with `context` split, run on its zero weights: see `pipeline_grads`).
+(or, with `context` split, run on its zero weights: see `_Program.uniform`).
 The stacked layer weights are stored stage-major, (p x v x slots, ...), split over `pipeline`.
 The embedding runs in the first chunk, the final norm, LM head and loss in the last.
 
@@ -248,203 +248,22 @@ def pipeline_grads(
     `shared` (float32)) of the mean objective over microbatches. `layers`: the stacked layer
     weights in stored form; `shared`: the rest (embedding, final norm, head), on every stage;
     `hidden_spec`: the layout of one microbatch's hidden states (B, T, D) over the automatic
-    axes; `grad_specs`: the grads' layouts, like {"layers": ..., **shared}. Each `lax.cond`'s
-    branches give their outputs the same layout (XLA requires it)."""
-    p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    b, t = tokens_MBT.shape[1:]
-    h_shape = jax.eval_shape(fns.embed, shared, tokens_MBT[0])
-    d, dtype = h_shape.shape[-1], h_shape.dtype
-    _, metrics_shape = jax.eval_shape(fns.head_loss, shared, h_shape, targets_MBT[0])
-    values_shape = {"objective": jax.ShapeDtypeStruct((), jnp.float32), **metrics_shape}
-    zeros = lambda tree, dtype=None: jax.tree.map(
-        lambda x: jnp.zeros(x.shape, dtype or x.dtype), tree
+    axes; `grad_specs`: the grads' layouts, like {"layers": ..., **shared}."""
+    program = _Program.make(
+        schedule, fns, mesh, shared, tokens_MBT, targets_MBT, hidden_spec, grad_specs
     )
-    # Manual over the pipeline axis only, unless it is the mesh's one split axis: then manual
-    # over all (cuDNN attention's custom partitioner fails in a partly manual region), with
-    # nothing left to lay out inside.
-    fully_manual = {a for a in mesh.axis_names if mesh.shape[a] > 1} <= {PIPELINE}
-    pin = lambda x, spec=hidden_spec: (
-        x
-        if fully_manual
-        else jax.lax.with_sharding_constraint(
-            x, jax.sharding.NamedSharding(shard_map_mesh(mesh), spec)
-        )
-    )
-    # Inside the stage region: the layer grads as (chunk, slot, ...), `pipeline` left out.
-    layer_grad_specs = jax.tree.map(
-        lambda spec: P(None, None, *spec[1:]),
-        grad_specs["layers"],
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    shared_grad_specs = {name: spec for name, spec in grad_specs.items() if name != "layers"}
-    pin_grads = lambda grads, shared_grads: (
-        jax.tree.map(pin, grads, layer_grad_specs),
-        jax.tree.map(pin, shared_grads, shared_grad_specs),
-    )
-
-    # Ring attention's ppermutes (over `context`) sit inside the layers, and a collective that
-    # only some stages reach hangs: XLA's collective-permute spans every device. With `context`
-    # split, a tick's F (B) phase runs on every stage when any stage has an F (a B), an idle
-    # stage on stale inputs with its results dropped, and every padded layer slot runs (zero
-    # weights: an exact identity, with zero grads); the predicates are then the same on every
-    # device.
-    uniform = mesh.shape[CONTEXT] > 1
-
-    def maybe(pred, run, skip, *operands, anywhere=None):
-        """`lax.cond(pred, run, skip, *operands)`; with `uniform`, on `anywhere` (a predicate
-        the same on every stage: run, then drop what `pred` would skip) or, with none, `run`."""
-        if not uniform:
-            return jax.lax.cond(pred, run, skip, *operands)
-        if anywhere is None:
-            return run(*operands)
-        return jax.lax.cond(anywhere, run, skip, *operands)
-
-    # Saved residuals: found on the first trace, reused by every later one.
-    layer_residuals, head_residuals = Residuals(), Residuals()
-    last_chunk_head = jax.checkpoint(fns.head_loss, policy=jax.checkpoint_policies.nothing_saveable)
-
-    def layer_forward(params, h):
-        h, vjp = jax.vjp(lambda params, h: pin(fns.layer(params, h)), params, pin(h))
-        return h, layer_residuals.save(vjp, params)
-
-    def head_forward(shared, h, targets):
-        # Under `nothing_saveable`, the residuals are the head's input and the targets: a B
-        # recomputes the logits rather than every kept microbatch holding them (B x T x V).
-        objective, vjp, metrics = jax.vjp(
-            lambda shared, h: last_chunk_head(shared, h, targets), shared, h, has_aux=True
-        )
-        return objective, metrics, head_residuals.save(vjp, shared)
-
-    def stage(layers, mask, shared, tokens, targets, forward_table, backward_table, busy):
-        s = jax.lax.axis_index(PIPELINE)
-        # (v x slots, ...) on this stage -> (v, slots, ...): its chunks.
-        layers = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), layers)
-        pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
-        is_first = lambda chunk: (s == 0) & (chunk == 0)
-        is_last = lambda chunk: (s == p - 1) & (chunk == v - 1)
-        h_zeros = lambda: pin(jnp.zeros((b, t, d), dtype))
-        layer_saved = jax.eval_shape(layer_forward, pick(pick(layers, 0), 0), h_shape)[1]
-        head_saved = jax.eval_shape(head_forward, shared, h_shape, targets[0])[2]
-
-        def chunk_forward(chunk, mb, x):
-            """The chunk's output, the residuals its B needs, objective and metrics (on the
-            last chunk, else zero)."""
-            h = jax.lax.cond(
-                is_first(chunk), lambda: pin(fns.embed(shared, tokens[mb])), lambda: pin(x)
-            )
-
-            def body(h, xs):
-                params, present = xs
-                skip = lambda params, h: (h, zeros(layer_saved))
-                return maybe(present, layer_forward, skip, params, h)
-
-            h, saved = jax.lax.scan(body, h, (pick(layers, chunk), mask[chunk]))
-            objective, metrics, saved_head = jax.lax.cond(
-                is_last(chunk),
-                lambda: head_forward(shared, h, targets[mb]),
-                lambda: (jnp.zeros((), jnp.float32), zeros(metrics_shape), zeros(head_saved)),
-            )
-            return h, (saved, saved_head), {"objective": objective, **metrics}
-
-        def chunk_backward(chunk, mb, saved, g_out):
-            """(grads of the chunk's layers, of `shared`, of its input) from its residuals."""
-            saved_layers, saved_head = saved
-
-            def head():
-                vjp = head_residuals.restore(saved_head, shared)
-                d_shared, d_h = vjp(jnp.full((), 1.0 / m, jnp.float32))  # Mean over m.
-                return d_shared, pin(d_h.astype(dtype))
-
-            d_shared, d_h = jax.lax.cond(is_last(chunk), head, lambda: (zeros(shared), pin(g_out)))
-
-            def body(d_h, xs):
-                params, saved, present = xs
-
-                def layer_backward(params, saved, d_h):
-                    d_params, d_h = layer_residuals.restore(saved, params)(d_h)
-                    return pin(d_h), d_params
-
-                skip = lambda params, saved, d_h: (d_h, zeros(params))
-                return maybe(present, layer_backward, skip, params, saved, d_h)
-
-            xs = (pick(layers, chunk), saved_layers, mask[chunk])
-            d_h, d_layers = jax.lax.scan(body, d_h, xs, reverse=True)
-
-            def embed():
-                _, vjp = jax.vjp(lambda shared: fns.embed(shared, tokens[mb]), shared)
-                return jax.tree.map(jnp.add, d_shared, vjp(d_h)[0]), h_zeros()
-
-            d_shared, d_x = jax.lax.cond(is_first(chunk), embed, lambda: (d_shared, d_h))
-            return d_layers, d_shared, d_x
-
-        def tick(carry, rows):
-            recv_f, recv_b, kept, grads, shared_grads, sums = carry
-            (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
-            any_f, any_b = rows[2]  # Whether any stage has an F, a B, at this tick.
-
-            # F: run the chunk, keep its residuals in the slot, send the output on.
-            active = mb != IDLE
-            mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
-            idle = lambda: (h_zeros(), zeros(kept_one), zeros(values_shape))
-            run = lambda: chunk_forward(chunk, mb, recv_f)
-            out, saved, values = maybe(active, run, idle, anywhere=any_f)
-            kept = jax.tree.map(
-                lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
-            )
-            sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
-            recv_f = pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))
-
-            # B: the chunk's backward from its kept residuals; add its grads, send the input's.
-            b_active = b_mb != IDLE
-            b_mb, b_chunk, b_slot = (jnp.maximum(x, 0) for x in (b_mb, b_chunk, b_slot))
-            keep = lambda g: jnp.where(b_active, g, 0).astype(jnp.float32)
-
-            def backward(grads, shared_grads):
-                saved = pick(kept, b_slot)
-                d_layers, d_shared, d_x = chunk_backward(b_chunk, b_mb, saved, recv_b)
-                grads = jax.tree.map(lambda acc, g: acc.at[b_chunk].add(keep(g)), grads, d_layers)
-                shared_grads = jax.tree.map(lambda acc, g: acc + keep(g), shared_grads, d_shared)
-                d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
-                return pin(d_x), *pin_grads(grads, shared_grads)
-
-            def no_backward(grads, shared_grads):
-                return h_zeros(), *pin_grads(grads, shared_grads)
-
-            d_x, grads, shared_grads = maybe(
-                b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
-            )
-            recv_b = pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))
-            return (recv_f, recv_b, kept, grads, shared_grads, sums), None
-
-        kept_one = (
-            jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((mask.shape[1], *x.shape), x.dtype), layer_saved
-            ),
-            head_saved,
-        )
-        kept = jax.tree.map(lambda x: jnp.zeros((schedule.slots, *x.shape), x.dtype), kept_one)
-        sums = zeros(values_shape)
-        grads = pin_grads(zeros(layers, jnp.float32), zeros(shared, jnp.float32))
-        carry = (h_zeros(), h_zeros(), kept, *grads, sums)
-        carry, _ = jax.lax.scan(tick, carry, (forward_table, backward_table, busy))
-        _, _, _, grads, shared_grads, sums = carry
-        # Only the first stage has embedding grads, only the last head grads and metrics.
-        shared_grads, sums = jax.lax.psum((shared_grads, sums), PIPELINE)
-        grads = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), grads)
-        return jax.tree.map(lambda x: x / m, sums), grads, shared_grads
-
     on_stages = P(PIPELINE)
     layer_specs = jax.tree.map(lambda _: on_stages, layers)
     table_spec = P(None, PIPELINE)
     run = jax.shard_map(
-        stage,
+        program.stage,
         mesh=mesh,
         in_specs=(layer_specs, on_stages, P(), P(), P(), table_spec, table_spec, P()),
         out_specs=(P(), layer_specs, P()),
-        axis_names=set(mesh.axis_names) if fully_manual else {PIPELINE},
+        axis_names=set(mesh.axis_names) if program.fully_manual else {PIPELINE},
         check_vma=False,
     )
-    with sharding.no_rules() if fully_manual else contextlib.nullcontext():
+    with sharding.no_rules() if program.fully_manual else contextlib.nullcontext():
         return run(
             layers,
             jnp.asarray(layout.mask()),
@@ -455,3 +274,249 @@ def pipeline_grads(
             jnp.asarray(schedule.backward),
             jnp.asarray(schedule.busy_ticks()),
         )
+
+
+def _zeros(tree, dtype=None):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What every stage's program shares: the shapes, the layouts it pins, how it skips work,
+    the forward of a layer and of the head under `jax.vjp`, and the residuals they keep. Each
+    `lax.cond`'s branches give their outputs the same layout (XLA requires it)."""
+
+    schedule: Schedule
+    fns: StageFunctions
+    h_shape: jax.ShapeDtypeStruct  # One microbatch's hidden states (B, T, D).
+    values_shape: dict  # The objective and the head's metrics.
+    mesh: Mesh
+    hidden_spec: P
+    layer_grad_specs: object  # Inside the stage region: (chunk, slot, ...), `pipeline` left out.
+    shared_grad_specs: dict
+    # Manual over the pipeline axis only, unless it is the mesh's one split axis: then manual
+    # over all (cuDNN attention's custom partitioner fails in a partly manual region), with
+    # nothing left to lay out inside.
+    fully_manual: bool
+    # Ring attention's ppermutes (over `context`) sit inside the layers, and a collective that
+    # only some stages reach hangs: XLA's collective-permute spans every device. With `context`
+    # split, a tick's F (B) phase runs on every stage when any stage has an F (a B), an idle
+    # stage on stale inputs with its results dropped, and every padded layer slot runs (zero
+    # weights: an exact identity, with zero grads); the predicates are then the same on every
+    # device.
+    uniform: bool
+    # Saved residuals: found on the first trace, reused by every later one.
+    layer_residuals: Residuals
+    head_residuals: Residuals
+
+    @classmethod
+    def make(cls, schedule, fns, mesh, shared, tokens_MBT, targets_MBT, hidden_spec, grad_specs):
+        h_shape = jax.eval_shape(fns.embed, shared, tokens_MBT[0])
+        _, metrics_shape = jax.eval_shape(fns.head_loss, shared, h_shape, targets_MBT[0])
+        return cls(
+            schedule,
+            fns,
+            h_shape,
+            {"objective": jax.ShapeDtypeStruct((), jnp.float32), **metrics_shape},
+            mesh,
+            hidden_spec,
+            jax.tree.map(
+                lambda spec: P(None, None, *spec[1:]),
+                grad_specs["layers"],
+                is_leaf=lambda x: isinstance(x, P),
+            ),
+            {name: spec for name, spec in grad_specs.items() if name != "layers"},
+            {a for a in mesh.axis_names if mesh.shape[a] > 1} <= {PIPELINE},
+            mesh.shape[CONTEXT] > 1,
+            Residuals(),
+            Residuals(),
+        )
+
+    def pin(self, x, spec=None):
+        if self.fully_manual:
+            return x
+        sharded = jax.sharding.NamedSharding(
+            shard_map_mesh(self.mesh), self.hidden_spec if spec is None else spec
+        )
+        return jax.lax.with_sharding_constraint(x, sharded)
+
+    def pin_grads(self, grads, shared_grads):
+        return (
+            jax.tree.map(self.pin, grads, self.layer_grad_specs),
+            jax.tree.map(self.pin, shared_grads, self.shared_grad_specs),
+        )
+
+    def h_zeros(self):
+        return self.pin(jnp.zeros(self.h_shape.shape, self.h_shape.dtype))
+
+    def maybe(self, pred, run, skip, *operands, anywhere=None):
+        """`lax.cond(pred, run, skip, *operands)`; with `uniform`, on `anywhere` (a predicate
+        the same on every stage: run, then drop what `pred` would skip) or, with none, `run`."""
+        if not self.uniform:
+            return jax.lax.cond(pred, run, skip, *operands)
+        if anywhere is None:
+            return run(*operands)
+        return jax.lax.cond(anywhere, run, skip, *operands)
+
+    def layer_forward(self, params, h):
+        h, vjp = jax.vjp(lambda params, h: self.pin(self.fns.layer(params, h)), params, self.pin(h))
+        return h, self.layer_residuals.save(vjp, params)
+
+    def head_forward(self, shared, h, targets):
+        # Under `nothing_saveable`, the residuals are the head's input and the targets: a B
+        # recomputes the logits rather than every kept microbatch holding them (B x T x V).
+        head = jax.checkpoint(self.fns.head_loss, policy=jax.checkpoint_policies.nothing_saveable)
+        objective, vjp, metrics = jax.vjp(
+            lambda shared, h: head(shared, h, targets), shared, h, has_aux=True
+        )
+        return objective, metrics, self.head_residuals.save(vjp, shared)
+
+    def stage(self, layers, mask, shared, tokens, targets, forward_table, backward_table, busy):
+        """One stage's part (inside the shard_map): every tick of the schedule, then the
+        metrics and the grads."""
+        v, m = self.schedule.virtual, self.schedule.microbatches
+        # (v x slots, ...) on this stage -> (v, slots, ...): its chunks.
+        layers = jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), layers)
+        on = _OnStage(self, jax.lax.axis_index(PIPELINE), layers, mask, shared, tokens, targets)
+        kept = jax.tree.map(lambda x: jnp.zeros((self.schedule.slots, *x.shape), x.dtype), on.kept)
+        grads = self.pin_grads(_zeros(layers, jnp.float32), _zeros(shared, jnp.float32))
+        carry = (self.h_zeros(), self.h_zeros(), kept, *grads, _zeros(self.values_shape))
+        carry, _ = jax.lax.scan(on.tick, carry, (forward_table, backward_table, busy))
+        _, _, _, grads, shared_grads, sums = carry
+        # Only the first stage has embedding grads, only the last head grads and metrics.
+        shared_grads, sums = jax.lax.psum((shared_grads, sums), PIPELINE)
+        grads = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), grads)
+        return jax.tree.map(lambda x: x / m, sums), grads, shared_grads
+
+
+def _pick(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+class _OnStage:
+    """One stage's chunks and inputs inside the stage region: a chunk's forward and backward,
+    and one tick of the schedule."""
+
+    def __init__(self, program: _Program, s, layers, mask, shared, tokens, targets):
+        self.program, self.s, self.layers, self.mask = program, s, layers, mask
+        self.shared, self.tokens, self.targets = shared, tokens, targets
+        h_shape = program.h_shape
+        self.layer_saved = jax.eval_shape(
+            program.layer_forward, _pick(_pick(layers, 0), 0), h_shape
+        )[1]
+        self.head_saved = jax.eval_shape(program.head_forward, shared, h_shape, targets[0])[2]
+        # What a slot keeps: each layer slot's residuals, and the head's.
+        self.kept = (
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((mask.shape[1], *x.shape), x.dtype),
+                self.layer_saved,
+            ),
+            self.head_saved,
+        )
+
+    def is_first(self, chunk):
+        return (self.s == 0) & (chunk == 0)
+
+    def is_last(self, chunk):
+        schedule = self.program.schedule
+        return (self.s == schedule.stages - 1) & (chunk == schedule.virtual - 1)
+
+    def chunk_forward(self, chunk, mb, x):
+        """The chunk's output, the residuals its B needs, objective and metrics (on the last
+        chunk, else zero)."""
+        g, shared = self.program, self.shared
+        h = jax.lax.cond(
+            self.is_first(chunk),
+            lambda: g.pin(g.fns.embed(shared, self.tokens[mb])),
+            lambda: g.pin(x),
+        )
+
+        def body(h, xs):
+            params, present = xs
+            skip = lambda params, h: (h, _zeros(self.layer_saved))
+            return g.maybe(present, g.layer_forward, skip, params, h)
+
+        h, saved = jax.lax.scan(body, h, (_pick(self.layers, chunk), self.mask[chunk]))
+        no_head = lambda: (
+            jnp.zeros((), jnp.float32),
+            _zeros({k: x for k, x in g.values_shape.items() if k != "objective"}),
+            _zeros(self.head_saved),
+        )
+        objective, metrics, saved_head = jax.lax.cond(
+            self.is_last(chunk), lambda: g.head_forward(shared, h, self.targets[mb]), no_head
+        )
+        return h, (saved, saved_head), {"objective": objective, **metrics}
+
+    def chunk_backward(self, chunk, mb, saved, g_out):
+        """(grads of the chunk's layers, of `shared`, of its input) from its residuals."""
+        g, shared = self.program, self.shared
+        saved_layers, saved_head = saved
+
+        def head():
+            vjp = g.head_residuals.restore(saved_head, shared)
+            d_shared, d_h = vjp(jnp.full((), 1.0 / g.schedule.microbatches, jnp.float32))
+            return d_shared, g.pin(d_h.astype(g.h_shape.dtype))  # Mean over microbatches.
+
+        no_head = lambda: (_zeros(shared), g.pin(g_out))
+        d_shared, d_h = jax.lax.cond(self.is_last(chunk), head, no_head)
+
+        def body(d_h, xs):
+            params, saved, present = xs
+
+            def layer_backward(params, saved, d_h):
+                d_params, d_h = g.layer_residuals.restore(saved, params)(d_h)
+                return g.pin(d_h), d_params
+
+            skip = lambda params, saved, d_h: (d_h, _zeros(params))
+            return g.maybe(present, layer_backward, skip, params, saved, d_h)
+
+        xs = (_pick(self.layers, chunk), saved_layers, self.mask[chunk])
+        d_h, d_layers = jax.lax.scan(body, d_h, xs, reverse=True)
+
+        def embed():
+            _, vjp = jax.vjp(lambda shared: g.fns.embed(shared, self.tokens[mb]), shared)
+            return jax.tree.map(jnp.add, d_shared, vjp(d_h)[0]), g.h_zeros()
+
+        d_shared, d_x = jax.lax.cond(self.is_first(chunk), embed, lambda: (d_shared, d_h))
+        return d_layers, d_shared, d_x
+
+    def tick(self, carry, rows):
+        g, p = self.program, self.program.schedule.stages
+        recv_f, recv_b, kept, grads, shared_grads, sums = carry
+        (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
+        any_f, any_b = rows[2]  # Whether any stage has an F, a B, at this tick.
+
+        # F: run the chunk, keep its residuals in the slot, send the output on.
+        active = mb != IDLE
+        mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
+        idle = lambda: (g.h_zeros(), _zeros(self.kept), _zeros(g.values_shape))
+        run = lambda: self.chunk_forward(chunk, mb, recv_f)
+        out, saved, values = g.maybe(active, run, idle, anywhere=any_f)
+        kept = jax.tree.map(
+            lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
+        )
+        sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
+        recv_f = g.pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))
+
+        # B: the chunk's backward from its kept residuals; add its grads, send the input's.
+        b_active = b_mb != IDLE
+        b_mb, b_chunk, b_slot = (jnp.maximum(x, 0) for x in (b_mb, b_chunk, b_slot))
+        keep = lambda grad: jnp.where(b_active, grad, 0).astype(jnp.float32)
+
+        def backward(grads, shared_grads):
+            d_layers, d_shared, d_x = self.chunk_backward(
+                b_chunk, b_mb, _pick(kept, b_slot), recv_b
+            )
+            grads = jax.tree.map(lambda acc, d: acc.at[b_chunk].add(keep(d)), grads, d_layers)
+            shared_grads = jax.tree.map(lambda acc, d: acc + keep(d), shared_grads, d_shared)
+            d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
+            return g.pin(d_x), *g.pin_grads(grads, shared_grads)
+
+        def no_backward(grads, shared_grads):
+            return g.h_zeros(), *g.pin_grads(grads, shared_grads)
+
+        d_x, grads, shared_grads = g.maybe(
+            b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
+        )
+        recv_b = g.pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))
+        return (recv_f, recv_b, kept, grads, shared_grads, sums), None
