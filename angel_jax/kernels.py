@@ -81,6 +81,29 @@ def cudnn_missing() -> str | None:
     return None
 
 
+@functools.cache
+def cudnn_traceable() -> bool:
+    """Whether this process can trace cuDNN's attention (JAX's CUDA plugin with cuDNN, GPU or
+    not)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+
+        fused.check_cudnn_version()
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def traced_attention(implementation: str) -> str:
+    """The attention a layer traces for `implementation`: XLA's in place of cuDNN's where this
+    process cannot trace cuDNN's, which happens only when it plans for a GPU it does not have
+    (machine.describe) and needs the shapes alone; the memory model reads the setting, not
+    this."""
+    if implementation == "cudnn" and not cudnn_traceable():
+        return "xla"
+    return implementation
+
+
 def resolve_attention(model, backend: str) -> str:
     """config.model.attention (`model`: config.model) with auto resolved: cudnn on a GPU in a
     16-bit dtype, else xla."""
