@@ -25,6 +25,8 @@ RING_KERNELS = ("auto", "cudnn", "tokamax", "xla")
 SCHEDULES = ("gpipe", "1f1b", "circular")  # parallel/pipeline.py
 ROUTERS = ("topk", "expert_choice", "dropless")  # parallel/expert.py
 ACTIVATION_TIERS = ("auto", "device", "host")  # planning/placement.py
+# config.model.lora.targets: q, k, v, o (attention) and gate, up, down (a dense SwiGLU MLP).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # layers/attention.py, layers/mlp.py
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -116,6 +118,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.decoder_layers = 0  # T5: 0 means num_layers.
     c.model.relative_buckets = 32  # T5's relative position bias.
     c.model.relative_max_distance = 128
+    # LoRA (angel_jax/lora.py): low-rank adapters A (in, rank) and B (rank, out) beside the
+    # targeted projections, W x + alpha / rank * B A x, only they trained: the base weights
+    # get no grads and no optimizer state. rank 0: off (full fine-tuning). Llama and Mixtral
+    # (attention targets only for experts), without a pipeline, offload or PowerSGD.
+    c.model.lora = ml_collections.ConfigDict(
+        dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o")
+    )
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
@@ -154,6 +163,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Segment ids at end-of-document tokens: no attention across the documents packed in a
     # row, positions restart at each (causal and masked objectives).
     c.data.packing = False
+    # causal: learn only the tokens the token file's loss mask marks (the assistant's turns of
+    # chat data, `prepare --jsonl`: data/chat.py); needs such a file.
+    c.data.loss_mask = False
     c.data.mask_rate = 0.15  # masked: share of tokens to predict (BERT's 80/10/10 rule).
     # masked: the mask token; -1: the top id of config.model.vocab_size (reserved for it). An
     # imported BERT's tokenizer has its own ([MASK], 103 for bert-base-uncased).
@@ -412,6 +424,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_family(config)
     _validate_features(config)
     _validate_model(config.model)
+    _validate_lora(config)
     _validate_train(config)
     _validate_pipeline(config)
     _validate_io(config)
@@ -516,6 +529,52 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
     choose("model.ring_blocks", m.ring_blocks, RING_KERNELS)
     choose("model.moe_kernel", m.moe_kernel, MOE_KERNELS)
     choose("model.dtype", m.dtype, ("bfloat16", "float16", "float32"))
+
+
+def lora_targets(model: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """config.model.lora.targets as names ("q,k,v,o" -> ("q", "k", "v", "o"))."""
+    return tuple(t.strip() for t in model.lora.targets.split(",") if t.strip())
+
+
+def _validate_lora(config: ml_collections.ConfigDict) -> None:
+    lo = config.model.lora
+    if lo.rank < 0:
+        raise ConfigError(f"config.model.lora.rank={lo.rank}: use 0 (off) or a positive rank")
+    if not lo.rank:
+        return
+    targets = lora_targets(config.model)
+    if not targets:
+        raise ConfigError(
+            f"config.model.lora.targets={lo.targets!r} names no projection; use some of "
+            f"{','.join(LORA_TARGETS)}"
+        )
+    for target in targets:
+        choose("model.lora.targets", target, LORA_TARGETS)
+    if len(set(targets)) != len(targets):
+        raise ConfigError(f"config.model.lora.targets={lo.targets!r} names a projection twice")
+    if lo.alpha <= 0 or not 0 <= lo.dropout < 1:
+        raise ConfigError(
+            f"config.model.lora.alpha={lo.alpha}, dropout={lo.dropout}: alpha must be "
+            "positive and dropout in [0, 1)"
+        )
+    mlp = [t for t in targets if t in ("gate", "up", "down")]
+    if mlp and config.model.num_experts:
+        raise ConfigError(
+            f"config.model.lora.targets={lo.targets!r}: {','.join(mlp)} adapt a dense MLP, "
+            "and this model's MLPs are experts: keep the attention targets (q,k,v,o)"
+        )
+    # The adapters train on the plain step: these keep their own param and state layouts.
+    unsupported = {
+        "config.mesh.pipeline=1": config.mesh.pipeline != 1,
+        "config.offload.policy=none": config.offload.policy != "none",
+        "config.train.powersgd_rank=0": config.train.powersgd_rank != 0,
+    }
+    needs = [setting for setting, bad in unsupported.items() if bad]
+    if needs:
+        raise ConfigError(
+            f"config.model.lora.rank={lo.rank} trains adapters on the plain step, without a "
+            f"pipeline, offload or PowerSGD: set {' and '.join(needs)}, or lora.rank=0"
+        )
 
 
 def _validate_train(config: ml_collections.ConfigDict) -> None:
@@ -650,16 +709,24 @@ def _validate_family(config: ml_collections.ConfigDict) -> None:
             f"config.train.seq_len={config.train.seq_len} is longer than the position table, "
             f"config.model.max_positions={m.max_positions}; raise max_positions or shorten it"
         )
-    if d.packing and (config.mesh.context != 1 or config.mesh.sequence != 1):
+    # Packing and the loss mask make rows that only the objectives' loss reads (losses.py).
+    rows = "config.data.packing" if d.packing else "config.data.loss_mask" if d.loss_mask else ""
+    if rows and (config.mesh.context != 1 or config.mesh.sequence != 1):
         raise ConfigError(
-            "config.data.packing needs the whole sequence per device (its segment masks): set "
-            "config.mesh.context=1 and config.mesh.sequence=1, or config.data.packing=false"
+            f"{rows} needs the whole sequence per device (its masks): set "
+            f"config.mesh.context=1 and config.mesh.sequence=1, or {rows}=false"
         )
-    if d.packing and (config.mesh.pipeline > 1 or m.logits_chunks > 1):
+    if rows and (config.mesh.pipeline > 1 or m.logits_chunks > 1):
         raise ConfigError(
-            "config.data.packing: the pipeline schedules and chunked logits read plain token "
+            f"{rows}: the pipeline schedules and chunked logits read plain token "
             "windows; set config.mesh.pipeline=1 and config.model.logits_chunks=1, or "
-            "config.data.packing=false"
+            f"{rows}=false"
+        )
+    if d.loss_mask and (goal != "causal" or not d.path):
+        raise ConfigError(
+            "config.data.loss_mask learns the tokens a chat token file marks: it needs the "
+            "causal objective and config.data.path, a file from `python -m "
+            "angel_jax.data.prepare --jsonl`; set both, or config.data.loss_mask=false"
         )
     if d.packing and goal == "span":
         raise ConfigError(

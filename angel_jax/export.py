@@ -15,6 +15,9 @@ checkpoint, else the tokenizer.json its token file was made with (config.data.pa
 
 Every family with a Hugging Face converter exports (angel_jax/family.py `Family.converter`):
 llama (Llama; Mixtral with experts, none shared), gpt2, bert and t5.
+
+A LoRA run (config.model.lora.rank > 0) exports merged: each adapted kernel written as
+W + alpha / rank * A B, the plain model that computes what the adapted one does.
 """
 
 import functools
@@ -28,6 +31,7 @@ from types import ModuleType
 
 import jax
 
+from angel_jax import lora
 from angel_jax.checkpoint import UnreadableCheckpoint
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError
@@ -145,6 +149,20 @@ def model_overrides(converter: ModuleType, model, run: dict) -> list[str]:
     return [f"--config.{k}={text(v)}" for k, v in differ.items() if k.split(".")[1] in carried]
 
 
+def lora_overrides(model, run: dict) -> list[str]:
+    """The overrides that give `model` the run's LoRA settings where they differ: the
+    checkpoint's params and the merge (alpha / rank) follow them."""
+    theirs = run.get("model", {}).get("lora", {})
+    if not model.lora.rank and not theirs.get("rank"):
+        return []
+    keys = ("rank", "alpha", "targets")
+    return [
+        f"--config.model.lora.{k}={theirs[k]}"
+        for k in keys
+        if k in theirs and theirs[k] != model.lora[k]
+    ]
+
+
 def export(exp, params, out: pathlib.Path, dtype: str, max_shard_bytes: int, tokenizer) -> list:
     """Writes `params` (in `exp`'s training layout) with its family's converter, and the
     `tokenizer` files ((source, name) pairs), to `out`; returns the names of the files there."""
@@ -152,6 +170,8 @@ def export(exp, params, out: pathlib.Path, dtype: str, max_shard_bytes: int, tok
         params = dict(
             params, layers=jax.tree.map(exp.pipeline.layout.from_stages, params["layers"])
         )
+    if exp.optimizer.adapters_only:  # LoRA: the adapters folded into their kernels.
+        params = lora.merged(params, exp.model_config.lora.scale)
     for name in ("config.json", *TOKENIZER_FILES):  # None left from an export overwritten.
         (out / name).unlink(missing_ok=True)
     converter_of(exp.config.model).save_params(
@@ -177,6 +197,7 @@ def export_run(args, overrides: list[str]) -> list[str]:
     tokenizer = tokenizer_files(args.tokenizer, run)
     exp = build(config, make_mesh(config.mesh), fit_compiled=False)  # No step runs.
     fixes = model_overrides(converter_of(exp.config.model), exp.config.model, run)
+    fixes += lora_overrides(exp.config.model, run)
     if fixes:
         raise ConfigError(
             f"--checkpoint {workdir} was trained with other model settings (its config.json): "

@@ -92,6 +92,7 @@ FEATURES: dict[str, tuple[str, Callable[[ml_collections.ConfigDict], bool]]] = {
         lambda c: c.offload.policy != "none" or c.offload.activations == "host",
     ),
     "powersgd": ("config.train.powersgd_rank > 0", lambda c: c.train.powersgd_rank > 0),
+    "lora": ("config.model.lora.rank > 0", lambda c: c.model.lora.rank > 0),
 }
 
 

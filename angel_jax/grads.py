@@ -1,6 +1,7 @@
 """The gradients of a batch, in the ZeRO grad layout: in one pass, summed over microbatches,
 through the pipeline's schedule, or per data-parallel replica and averaged by PowerSGD.
-Streamed layers' grads stay in host memory (`Gradients.constrain`)."""
+Streamed layers' grads stay in host memory (`Gradients.constrain`). Under LoRA only the
+adapters are differentiated: the frozen base weights get no grads at all."""
 
 import dataclasses
 import functools
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from angel_jax import sharding
+from angel_jax import lora, sharding
 from angel_jax.family import Pieces
 from angel_jax.losses import TrainingLoss, cross_entropy
 from angel_jax.offload.programs import Space, fetch_f32
@@ -48,6 +49,11 @@ class GradSetup:
     powersgd: PowerSGD | None = None
     powersgd_start_step: int = 0
     comm_sharding: Any = None  # The PowerSGD state's shardings.
+    # LoRA: the grads are the adapters' alone (`lora.adapters` of the params), and
+    # `grad_sharding`, `abstract_params` and `stacked` are theirs.
+    adapters_only: bool = False
+    # LoRA dropout's keys come from this seed, the step and the microbatch; None: no dropout.
+    dropout_seed: int | None = None
 
 
 class Gradients:
@@ -56,24 +62,44 @@ class Gradients:
     def __init__(self, loss: TrainingLoss, setup: GradSetup):
         self.loss, self.setup = loss, setup
 
-    def loss_and_grads(self, params, batch_BT1: jax.Array):
-        """Mean loss, metrics and grads over the batch. Grads come in the params' dtype, or
-        float32 when accumulated over microbatches; streamed layers' grads in host memory
-        (stacked, or one array per layer when accumulated)."""
+    def loss_and_grads(self, params, batch_BT1: jax.Array, step: jax.Array | None = None):
+        """Mean loss, metrics and grads over the batch (at `step`: LoRA dropout's keys).
+        Grads come in the params' dtype, or float32 when accumulated over microbatches;
+        streamed layers' grads in host memory (stacked, or one array per layer when
+        accumulated)."""
         if self.setup.pipeline:
             return self._pipeline(params, batch_BT1)
         micro = self.setup.microbatches
+        keys = self._dropout_keys(step)
         if micro == 1:
-            (_, metrics), grads = self._grad_fn(params, batch_BT1)
+            with lora.dropout_key(None if keys is None else keys[0]):
+                (_, metrics), grads = self._grad_fn(params, batch_BT1)
             return metrics, self.constrain(grads)
-        add = lambda acc, mb: (self._add_microbatch(params, mb, acc), None)
+        add = lambda acc, xs: (self._add_microbatch(params, xs[0], acc, xs[1]), None)
         micro_MBT = self.microbatches(batch_BT1)
-        (metrics, grads), _ = jax.lax.scan(add, self.zero_sums(params, micro_MBT[0]), micro_MBT)
+        sums = self.zero_sums(params, micro_MBT[0])
+        (metrics, grads), _ = jax.lax.scan(add, sums, (micro_MBT, keys))
         return self.mean_metrics(metrics), grads
+
+    def _dropout_keys(self, step):
+        """One LoRA dropout key a microbatch at `step`, or None (no dropout)."""
+        seed = self.setup.dropout_seed
+        if seed is None or step is None:
+            return None
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.split(key, self.setup.microbatches)
 
     @property
     def _grad_fn(self):
-        return jax.value_and_grad(self.loss, has_aux=True)
+        if not self.setup.adapters_only:
+            return jax.value_and_grad(self.loss, has_aux=True)
+
+        def adapters_grad(params, batch):
+            # The base weights enter as constants: no cotangent is made for them.
+            loss = lambda adapters, b: self.loss(lora.with_adapters(params, adapters), b)
+            return jax.value_and_grad(loss, has_aux=True)(lora.adapters(params), batch)
+
+        return adapters_grad
 
     def microbatches(self, batch_BT1: jax.Array) -> jax.Array:
         """The batch as [microbatches, rows / microbatches, length]: microbatch j takes rows j,
@@ -88,10 +114,11 @@ class Gradients:
         shapes = jax.eval_shape(lambda p, b: self.loss(p, b)[1], params, mb)
         return jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes), self._zeros()
 
-    def _add_microbatch(self, params, mb, sums):
+    def _add_microbatch(self, params, mb, sums, dropout_key=None):
         """`sums` (metrics, float32 grads) with microbatch `mb`'s, its grads over the number
         of microbatches."""
-        (_, metrics), grads = self._grad_fn(params, mb)
+        with lora.dropout_key(dropout_key):
+            (_, metrics), grads = self._grad_fn(params, mb)
         acc_metrics, acc_grads = sums
         grads = self._accumulate(acc_grads, self.constrain(grads), 1.0 / self.setup.microbatches)
         return jax.tree.map(jnp.add, acc_metrics, metrics), grads

@@ -11,7 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from angel_jax import kernels
+from angel_jax import kernels, lora
 from angel_jax.config import ConfigError
 from angel_jax.elastic import Reshard, layout_of, settings_of
 from angel_jax.lock import hold_workdir
@@ -105,7 +105,7 @@ def _train_loop(
     writer = MetricsWriter(workdir, t.tensorboard)
     if jax.process_index() == 0:  # What this run was, for whoever reads the workdir later.
         (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=1))
-    logger = _Logger(config, exp.model_config, mesh.size, writer, start)
+    logger = _Logger(config, exp, mesh.size, writer, start)
     pending = None
     batch_iter = batches.iterate(data_index)
     step = start
@@ -172,10 +172,14 @@ def announce(config: ml_collections.ConfigDict, exp: Experiment, mesh, start: in
 
     t = config.train
     cfg = exp.model_config
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state.params))
+    params = exp.abstract_state.params
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    n_params, trained = count(params), count(lora.adapters(params))
+    lora_text = f" ({trained / 1e6:.2f}M of them LoRA adapters, trained)" if trained else ""
     mesh_text = " x ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "1 device"
     say(
-        f"angel-jax: {n_params / 1e6:.1f}M params, {cfg.num_layers} layers, mesh {mesh_text} "
+        f"angel-jax: {n_params / 1e6:.1f}M params{lora_text}, {cfg.num_layers} layers, "
+        f"mesh {mesh_text} "
         f"({mesh.size} {jax.devices()[0].platform} devices), ZeRO-{config.zero_stage}, "
         f"batch {t.batch_size} x {t.seq_len}, steps {start} -> {t.steps}"
     )
@@ -224,12 +228,13 @@ class _Logger:
     """Writes a step's metrics (metrics.jsonl, TensorBoard, the progress line) with its
     throughput and MFU over the steps since the last one logged."""
 
-    def __init__(self, config, model_config, devices: int, writer, start: int):
+    def __init__(self, config, exp: Experiment, devices: int, writer, start: int):
         from angel_jax.metrics import peak_tflops
 
         self.train, self.writer, self.start = config.train, writer, start
         t = self.train
-        self.flops_per_step = model_config.flops_per_token(t.seq_len) * t.batch_size * t.seq_len
+        per_token = lora.flops_per_token(exp.model_config, exp.abstract_state.params, t.seq_len)
+        self.flops_per_step = per_token * t.batch_size * t.seq_len
         peak = peak_tflops(t.peak_tflops)
         self.peak_flops = None if peak is None else peak * 1e12 * devices
         self.last = None  # The last logged metrics.

@@ -3,7 +3,8 @@ sequence slices so the float32 logits never exist at once), and the objectives' 
 rows laid out by data/objectives.py:
 
 causal  next-token loss; with segment ids, no loss from a document's last token onto the next
-        document's first, nor on padding.
+        document's first, nor on padding; with a loss mask (chat data), only on the tokens it
+        marks (the assistant's).
 masked  loss on the masked-LM positions only (labels >= 0).
 span    the T5 decoder's loss on the targets (teacher-forced: decoder inputs are the targets
         shifted right behind id 0, T5's start token), padding excluded.
@@ -93,10 +94,16 @@ def objective_loss(model, config: ml_collections.ConfigDict, params, rows_BW):
         {"params": params}, *args, mutable="intermediates", **kw
     )
     if goal == "causal":
-        tokens, segments = f["tokens"], f["segment_ids"]
-        logits, extra = apply(tokens[:, :-1], segment_ids=segments[:, :-1])
-        same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
-        return (*weighted_cross_entropy(logits, tokens[:, 1:], same, z_loss), extra)
+        tokens, segments = f["tokens"], f.get("segment_ids")
+        if segments is None:  # A loss mask alone: the row is one sequence.
+            logits, extra = apply(tokens[:, :-1])
+            weights = jnp.ones(tokens[:, 1:].shape, bool)
+        else:
+            logits, extra = apply(tokens[:, :-1], segment_ids=segments[:, :-1])
+            weights = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
+        if "loss_mask" in f:  # Each target counts only if marked (the assistant's tokens).
+            weights = weights & (f["loss_mask"][:, 1:] > 0)
+        return (*weighted_cross_entropy(logits, tokens[:, 1:], weights, z_loss), extra)
     if goal == "masked":
         logits, extra = apply(f["inputs"], segment_ids=f["segment_ids"])
         labels = f["labels"]
@@ -137,7 +144,8 @@ class TrainingLoss:
         return inputs_BT, targets_BT
 
     def __call__(self, params, tokens_BT1: jax.Array):
-        if objective(self.config) != "causal" or self.config.data.packing:
+        d = self.config.data
+        if objective(self.config) != "causal" or d.packing or d.loss_mask:
             loss, metrics, variables = objective_loss(self.model, self.config, params, tokens_BT1)
             return self._with_router_losses(loss, metrics, variables)
         inputs_BT, targets_BT = self.inputs_and_targets(tokens_BT1)

@@ -147,25 +147,29 @@ def make_state_layout(
         logical, abstract_params, mesh, rules, zero_splits(state, stage)
     )
     # State shaped like its parameter (moments) takes its (ZeRO) layout; the rest (step
-    # counts, factored moments) is small and replicated.
+    # counts, factored moments) is small and replicated. Grads and optimizer state are the
+    # trained params' (`Optimizer.trained`: under LoRA the adapters').
+    trained = optimizer.trained
     opt_specs = jax.tree.map(
         lambda spec, p, leaf_state: jax.tree.map(
             lambda x: spec if x.shape == p.shape else P(), leaf_state
         ),
-        specs("optimizer state"),
-        abstract_params,
+        trained(specs("optimizer state")),
+        trained(abstract_params),
         abstract_opt,
     )
     param_sharding = sharding.named(mesh, specs("params"))
-    grad_sharding = sharding.named(mesh, specs("grads"))
+    grad_sharding = sharding.named(mesh, trained(specs("grads")))
     # Offloaded masters are updated where their optimizer state is: in its ZeRO layout.
     offloaded_master_sharding = sharding.named(mesh, specs("optimizer state"))
     opt_sharding = sharding.named(mesh, opt_specs)
     plan = make_plan(
         inp,
         params=sharding.with_shardings(abstract_params, param_sharding),
-        grads=sharding.with_shardings(abstract_params, grad_sharding),
-        offloaded_masters=sharding.with_shardings(abstract_params, offloaded_master_sharding),
+        grads=sharding.with_shardings(trained(abstract_params), grad_sharding),
+        offloaded_masters=trained(
+            sharding.with_shardings(abstract_params, offloaded_master_sharding)
+        ),
         opt=sharding.with_shardings(abstract_opt, opt_sharding),
         stacked=stacked,
         inputs_offloadable=inputs_offloadable,

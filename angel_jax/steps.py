@@ -139,7 +139,7 @@ class DeviceStep(Step):
         if s.powersgd:
             metrics, grads, comm = s.grads.powersgd(state, batch_BT1)
         else:
-            metrics, grads = s.grads.loss_and_grads(state.params, batch_BT1)
+            metrics, grads = s.grads.loss_and_grads(state.params, batch_BT1, state.step)
         params, opt_state, norm = s.optimizer.update(
             grads, state.opt_state, state.params, s.stacked
         )

@@ -17,7 +17,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 
-from angel_jax import machine, sharding
+from angel_jax import lora, machine, sharding
 from angel_jax.data.objectives import row_width
 from angel_jax.grads import Gradients, GradSetup, PipelineSetup
 from angel_jax.losses import TrainingLoss
@@ -90,18 +90,23 @@ class Experiment:
 
     def _init_from_hf(self, rng) -> TrainState:
         """The state around params imported from config.init_from_hf, each loaded straight
-        into its sharding (validate limits this to the plain layout: no pipeline, no offload)."""
+        into its sharding (validate limits this to the plain layout: no pipeline, no offload).
+        LoRA's adapters are not in the checkpoint: they start as a random init makes them."""
+        part = lora.base if self.optimizer.adapters_only else lambda tree: tree
         params = load_params(
             self.config.init_from_hf,
-            self.abstract_state.params,
-            self.state_sharding.params,
+            part(self.abstract_state.params),
+            part(self.state_sharding.params),
             "config.init_from_hf",
         )
         init = jax.jit(self._init, out_shardings=self.state_sharding, donate_argnums=1)
         return init(rng, params)
 
     def _init(self, rng, params=None) -> TrainState:
-        params = self._init_params(rng) if params is None else params
+        if params is None:
+            params = self._init_params(rng)
+        elif self.optimizer.adapters_only:  # Imported base weights: the init's adapters.
+            params = lora.with_adapters(params, lora.adapters(self._init_params(rng)))
         comm = None
         if self.powersgd:
             replicas = self.mesh.shape["data"]
@@ -147,8 +152,11 @@ class Experiment:
         context = self.mesh.shape["context"]
         order = (lambda length: zigzag_order(length, context)) if context > 1 else None
         pieces = family_of(self.config.model).pieces
+        # LoRA dropout: the model applied with the step's dropout key (`lora.Dropout`).
+        dropout = self.optimizer.adapters_only and self.config.model.lora.dropout
+        model = lora.Dropout(self.model) if dropout else self.model
         return TrainingLoss(
-            self.model,
+            model,
             self.config,
             self.model_config.logits_chunks,
             lambda params: pieces.lm_head(self.model_config, params),
@@ -166,18 +174,21 @@ class Experiment:
                 self.pipeline, c.pipeline.microbatches, pieces, self.model_config, c.train.z_loss
             )
         compute = self.abstract_state.compute_params
+        trained = self.optimizer.trained  # Under LoRA, the adapters alone have grads.
         setup = GradSetup(
             mesh=self.mesh,
             microbatches=c.train.microbatches,
             grad_sharding=self.grad_sharding,
-            abstract_params=self.abstract_state.params if compute is None else compute,
-            stacked=self.stacked,
+            abstract_params=trained(self.abstract_state.params if compute is None else compute),
+            stacked=trained(self.stacked),
             streams_params=self.plan.streams_params,
             chunks_in_flight=c.offload.chunks_in_flight,
             pipeline=pipeline,
             powersgd=self.powersgd,
             powersgd_start_step=c.train.powersgd_start_step,
             comm_sharding=self.state_sharding.comm,
+            adapters_only=self.optimizer.adapters_only,
+            dropout_seed=c.seed if c.model.lora.rank and c.model.lora.dropout else None,
         )
         return Gradients(self.loss, setup)
 
@@ -339,7 +350,7 @@ def _build(
         **(fp8 if any(fp8.values()) else {}),
         remat="none" if remat == "auto" else remat,
     )
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(config.train, adapters_only=config.model.lora.rank > 0)
     tokens = jax.ShapeDtypeStruct((1, config.train.seq_len), jnp.int32)
     shapes_of = family.module(shapes_config).init
     boxed = jax.eval_shape(shapes_of, jax.random.key(0), *family.example_inputs(tokens))

@@ -1002,6 +1002,20 @@ BREAKS = [
         "        if True:\n            return",
         ["tests/test_elastic_resume.py::test_a_resume_that_cannot_work_names_the_setting"],
     ),
+    (
+        "fine-tuning learns the prompt's tokens too",
+        "angel_jax/losses.py",
+        '            weights = weights & (f["loss_mask"][:, 1:] > 0)',
+        "            pass",
+        ["tests/test_sft.py::test_loss_ignores_prompt_targets"],
+    ),
+    (
+        "packed chat data splits a conversation at every end-of-document id",
+        "angel_jax/data/objectives.py",
+        "    segments = [segments_ending_at(marks == END)] if packing else []",
+        "    segments = [document_segments(tokens, eos_id)] if packing else []",
+        ["tests/test_sft.py::test_packed_rows_number_conversations_from_the_mask_ends"],
+    ),
 ]
 
 

@@ -68,7 +68,7 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
     rows = hi - lo  # How many.
     length = t.seq_len + 1
 
-    if config.data.synthetic and config.data.path is None:
+    if config.data.synthetic and config.data.path is None and not config.data.loss_mask:
         vocab = config.model.vocab_size - reserved_ids(config)  # Below mask/sentinel ids.
 
         def synthetic(step):
@@ -78,12 +78,25 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
         dataset = grain.MapDataset.range(2**62).map(synthetic)
         return _with_objective(dataset, make_row_builder(config, vocab, None), lo, config)
 
+    marks = None  # Chat data's loss mask (tokens.py).
     if config.data.path is None:
         tokens, vocab, where, eos = default_corpus(), 257, "the default corpus", 256
     else:
         data = TokenFile(config.data.path)
         tokens, vocab, where = data.tokens, data.vocab_size, f"config.data.path={config.data.path}"
-        eos = data.meta.get("eos_id")
+        eos, marks = data.meta.get("eos_id"), data.loss_mask
+    if config.data.loss_mask and marks is None:
+        raise ConfigError(
+            f"config.data.loss_mask=true, but {where} has no loss mask; make the token file "
+            "from chat data with `python -m angel_jax.data.prepare --jsonl`, or set "
+            "config.data.loss_mask=false"
+        )
+    if marks is not None and not config.data.loss_mask:  # Else prompts are learnt, silently.
+        raise ConfigError(
+            f"{where} is chat data with a loss mask on the assistant's tokens; set "
+            "config.data.loss_mask=true to learn those only (tokenize the text without --jsonl "
+            "to learn every token)"
+        )
     if vocab > config.model.vocab_size:
         raise ConfigError(
             f"{where} has token ids up to {vocab - 1}, but config.model.vocab_size="
@@ -98,9 +111,10 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
         )
 
     def read(window_ids):
-        return np.stack(
-            [tokens[i * t.seq_len : i * t.seq_len + length] for i in window_ids[lo : lo + rows]]
-        ).astype(np.int32)
+        """The windows' tokens, and with a loss mask its windows beside them."""
+        starts = [i * t.seq_len for i in window_ids[lo : lo + rows]]
+        cut = lambda a: np.stack([a[s : s + length] for s in starts]).astype(np.int32)
+        return cut(tokens) if marks is None else np.concatenate([cut(tokens), cut(marks)], 1)
 
     dataset = (
         grain.MapDataset.range(windows).shuffle(seed=seed).repeat().batch(t.batch_size).map(read)

@@ -5,19 +5,21 @@ turns each into one int32 row of fixed-width fields laid side by side, so the tr
 stays one (batch, width) array, sharded, split into microbatches and prefetched as before:
 
   causal   tokens (T + 1) [+ segment_ids (T + 1) with config.data.packing]
+           [+ loss_mask (T + 1) with config.data.loss_mask: 1 on the tokens to learn]
   masked   inputs (T), labels (T; -1: not predicted), segment_ids (T)
   span     inputs (T), segment_ids (T), targets (S), target_segment_ids (S)
 
 Segment ids number the documents of a row from 1 (a new one after each end-of-document token
-when packing; 1 everywhere otherwise); 0 marks padding. Randomness (which tokens are masked or
-corrupted) comes from (seed, batch index, row of the global batch), so a row is the same
-whichever process builds it and whenever the run resumes.
+when packing, or after each END of a loss mask; 1 everywhere otherwise); 0 marks padding.
+Randomness (which tokens are masked or corrupted) comes from (seed, batch index, row of the
+global batch), so a row is the same whichever process builds it and whenever the run resumes.
 """
 
 import ml_collections
 import numpy as np
 
 from angel_jax.config import ConfigError, objective
+from angel_jax.data.tokens import END, LOSS
 
 
 def span_shape(length: int, noise_density: float, mean_span: float) -> tuple[int, int]:
@@ -33,7 +35,8 @@ def row_fields(config: ml_collections.ConfigDict) -> tuple[tuple[str, int], ...]
     goal = objective(config)
     if goal == "causal":
         packed = (("segment_ids", t + 1),) if config.data.packing else ()
-        return (("tokens", t + 1),) + packed
+        masked = (("loss_mask", t + 1),) if config.data.loss_mask else ()
+        return (("tokens", t + 1),) + packed + masked
     if goal == "masked":
         return (("inputs", t), ("labels", t), ("segment_ids", t))
     noise, spans = span_shape(t, config.data.noise_density, config.data.mean_span_length)
@@ -55,8 +58,24 @@ def document_segments(tokens_BT: np.ndarray, eos_id: int | None) -> np.ndarray:
     (the end token belongs to the document it ends)."""
     if eos_id is None:
         return np.ones_like(tokens_BT, np.int32)
-    ends = (tokens_BT == eos_id).astype(np.int32)
+    return segments_ending_at(tokens_BT == eos_id)
+
+
+def segments_ending_at(ends_BT: np.ndarray) -> np.ndarray:
+    """Segment ids 1, 2, ...: a new one after each True of `ends_BT`."""
+    ends = ends_BT.astype(np.int32)
     return (1 + np.cumsum(ends, axis=1) - ends).astype(np.int32)
+
+
+def causal_rows(windows: np.ndarray, eos_id: int | None, packing: bool, loss_mask: bool):
+    """Causal rows: tokens [+ segment ids] [+ loss mask]. With a loss mask the windows are
+    tokens and mask side by side (loader.py), and END, not the end-of-document id, ends a
+    document."""
+    if not loss_mask:
+        return np.concatenate([windows, document_segments(windows, eos_id)], axis=1)
+    tokens, marks = np.split(windows, 2, axis=1)
+    segments = [segments_ending_at(marks == END)] if packing else []
+    return np.concatenate([tokens, *segments, (marks == LOSS).astype(np.int32)], axis=1)
 
 
 def mask_tokens(tokens_T: np.ndarray, rng: np.random.Generator, rate: float, mask_id: int, vocab):
@@ -122,10 +141,11 @@ def reserved_ids(config: ml_collections.ConfigDict) -> int:
 
 def make_row_builder(config: ml_collections.ConfigDict, data_vocab: int, eos_id: int | None):
     """`build(windows (rows, T + 1), batch index, first global row) -> rows (rows, width)`, or
-    None when rows are the windows themselves (causal LM without packing). Checks that the
+    None when rows are the windows themselves (causal LM without packing or loss mask). With
+    config.data.loss_mask a window is its tokens and their loss mask side by side. Checks that the
     reserved ids (mask, sentinels) lie above the data's."""
     goal, d, m = objective(config), config.data, config.model
-    if goal == "causal" and not d.packing:
+    if goal == "causal" and not d.packing and not d.loss_mask:
         return None
     t, reserved = config.train.seq_len, reserved_ids(config)
     mask_id = d.mask_id if d.mask_id >= 0 else m.vocab_size - 1
@@ -138,7 +158,7 @@ def make_row_builder(config: ml_collections.ConfigDict, data_vocab: int, eos_id:
 
     def build(windows, index: int, first_row: int) -> np.ndarray:
         if goal == "causal":
-            return np.concatenate([windows, document_segments(windows, eos_id)], axis=1)
+            return causal_rows(windows, eos_id, d.packing, d.loss_mask)
         rows = []
         for r, window in enumerate(windows):
             rng = np.random.default_rng((config.seed, index, first_row + r))

@@ -1,8 +1,10 @@
-"""Tokenizes text files into a token file for `config.data.path`.
+"""Tokenizes text files, or chat data, into a token file for `config.data.path`.
 
     python -m angel_jax.data.prepare --out data/corpus.npy notes/*.txt [--tokenizer tokenizer.json]
+    python -m angel_jax.data.prepare --out data/sft.npy --jsonl chat.jsonl --tokenizer CKPT_DIR
 
-Each input file is one document. Byte-level tokens by default (vocab 257).
+Each text file is one document; each JSONL line one conversation, with a loss mask on the
+assistant's tokens (data/chat.py). Byte-level tokens by default (vocab 257).
 """
 
 import argparse
@@ -10,6 +12,7 @@ import pathlib
 import sys
 
 from angel_jax.config import ConfigError
+from angel_jax.data.chat import prepare_chat
 from angel_jax.data.tokens import encode_documents, load_tokenizer, save_token_file
 
 BINARY_SHARE = 0.01  # Undecodable or zero bytes beyond this share: not a text file.
@@ -51,19 +54,42 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("inputs", nargs="+", help="text files, one document each")
+    parser.add_argument("inputs", nargs="*", help="text files, one document each")
     parser.add_argument("--out", required=True, help="token file to write (.npy)")
-    parser.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a Hugging Face tokenizer.json, or its directory"
+    )
+    parser.add_argument(
+        "--jsonl",
+        action="append",
+        help="a JSONL file of conversations (repeat for more), in place of text files",
+    )
+    parser.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template, in place of the tokenizer's"
+    )
     args = parser.parse_args(argv)
+    if bool(args.inputs) == bool(args.jsonl):
+        parser.error("give text files or --jsonl files (one of them)")
+    if args.chat_template and not args.jsonl:
+        parser.error("--chat-template renders --jsonl conversations; give --jsonl files")
     try:
-        info = prepare(args.inputs, args.out, args.tokenizer)
+        if args.jsonl:
+            info = prepare_chat(args.jsonl, args.out, args.tokenizer, args.chat_template)
+        else:
+            info = prepare(args.inputs, args.out, args.tokenizer)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"wrote {info['tokens']} tokens from {info['documents']} documents to {info['out']} "
-        f"(vocab {info['vocab_size']})"
-    )
+    if args.jsonl:
+        print(
+            f"wrote {info['tokens']} tokens from {info['documents']} conversations to "
+            f"{info['out']} (vocab {info['vocab_size']}; loss on {info['trained']} of them)"
+        )
+    else:
+        print(
+            f"wrote {info['tokens']} tokens from {info['documents']} documents to {info['out']} "
+            f"(vocab {info['vocab_size']})"
+        )
     return 0
 
 

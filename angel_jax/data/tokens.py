@@ -2,7 +2,8 @@
 
 A token file is a 1-D `.npy` array (uint16 or uint32, memory-mapped when read) of documents
 joined by the tokenizer's end-of-document id, with a `.json` sidecar naming the tokenizer and its
-vocabulary size so a model too small for the data is refused before training.
+vocabulary size so a model too small for the data is refused before training. Chat data
+(data/chat.py) adds a loss mask, `FILE.mask.npy`: a uint8 per token, one of the values below.
 """
 
 import json
@@ -13,6 +14,11 @@ import sysconfig
 import numpy as np
 
 from angel_jax.config import ConfigError
+
+# Loss mask values. END marks the end-of-document token after each conversation, which alone
+# ends a packed document: a chat template may write that token inside a conversation too
+# (Mistral's and Zephyr's </s> after each turn).
+NO_LOSS, LOSS, END = 0, 1, 2
 
 
 class ByteTokenizer:
@@ -30,11 +36,17 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face `tokenizer.json` (needs the `tokenizers` package)."""
+    """A local Hugging Face `tokenizer.json`, or a directory holding one (needs the
+    `tokenizers` package)."""
 
     def __init__(self, path: str):
-        if not pathlib.Path(path).is_file():  # Before the package: the file is the cause.
-            raise ConfigError(f"--tokenizer {path}: no such file; give a tokenizer.json")
+        file = pathlib.Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():  # Before the package: the file is the cause.
+            raise ConfigError(
+                f"--tokenizer {path}: no such file; give a tokenizer.json or its directory"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -42,13 +54,13 @@ class HFTokenizer:
                 f"--tokenizer {path}: needs the 'tokenizers' package; pip install tokenizers"
             ) from None
         try:
-            self._tok = Tokenizer.from_file(path)
+            self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises its own error types for bad files.
             raise ConfigError(
                 f"--tokenizer {path}: not a Hugging Face tokenizer.json ({e}); give the "
                 "tokenizer.json of a trained tokenizer"
             ) from None
-        self.name = str(path)
+        self.name = str(file)  # The file itself: export copies it beside the weights.
         self.vocab_size = self._tok.get_vocab_size()
         eos = next(
             (
@@ -128,9 +140,23 @@ class TokenFile:
                 "text files with prepare"
             )
         self.vocab_size = int(self.meta.get("vocab_size", int(self.tokens.max()) + 1))
+        self.loss_mask = None  # Chat data's (NO_LOSS, LOSS, END per token), memory-mapped.
+        if self.meta.get("loss_mask"):
+            mask_file = file.with_name(self.meta["loss_mask"])
+            try:
+                self.loss_mask = np.load(mask_file, mmap_mode="r")
+            except (ValueError, OSError, EOFError):
+                self.loss_mask = None
+            if self.loss_mask is None or self.loss_mask.shape != self.tokens.shape:
+                raise ConfigError(
+                    f"config.data.path={path}: its loss mask {mask_file.name} is missing or not "
+                    f"one value per token; re-create both with `python -m angel_jax.data.prepare "
+                    "--jsonl`"
+                )
 
 
-def save_token_file(path: str, tokens: np.ndarray, tokenizer) -> None:
+def save_token_file(path: str, tokens: np.ndarray, tokenizer, loss_mask=None) -> None:
+    """Writes the tokens, their sidecar and, for chat data, the loss mask (`FILE.mask.npy`)."""
     file = pathlib.Path(path)
     file.parent.mkdir(parents=True, exist_ok=True)
     with open(file, "wb") as f:  # np.save(path) would add ".npy" to a name without it.
@@ -141,6 +167,11 @@ def save_token_file(path: str, tokens: np.ndarray, tokenizer) -> None:
         eos_id=tokenizer.eos_id,
         num_tokens=int(tokens.size),
     )
+    if loss_mask is not None:
+        mask_file = file.with_suffix(".mask.npy")
+        with open(mask_file, "wb") as f:
+            np.save(f, np.asarray(loss_mask, np.uint8))
+        meta["loss_mask"] = mask_file.name  # Beside the token file.
     file.with_suffix(".json").write_text(json.dumps(meta, indent=1))
 
 

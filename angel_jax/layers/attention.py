@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from angel_jax import sharding
+from angel_jax import lora, sharding
 from angel_jax.config import ConfigError
+from angel_jax.kernels import traced_attention
 from angel_jax.layers.linear import Linear
 from angel_jax.mesh import CONTEXT
 from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_order
@@ -87,6 +88,7 @@ class Attention(nn.Module):
     use_bias: bool = False  # Biases on the projections.
     scale: float | None = None  # Of the scores; None: 1 / sqrt(head_dim) (T5 uses 1).
     rope_scaling: RopeScaling = RopeScaling()
+    adapters: lora.LoRA | None = None  # LoRA on the projections its targets name (q, k, v, o).
 
     @nn.compact
     def __call__(
@@ -116,11 +118,14 @@ class Attention(nn.Module):
         )
         cross = kv_BSD is not None
         kv_BSD = kv_BSD if cross else x_BTD
-        q_BTNH = linear((n, h), ("embed", "heads", "head_dim"), name="query")(x_BTD)
-        k_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="key")(kv_BSD)
-        v_BTKH = linear((k, h), ("embed", "kv_heads", "head_dim"), name="value")(kv_BSD)
+        on = lambda target: lora.on(self.adapters, target)
+        q_BTNH = linear((n, h), ("embed", "heads", "head_dim"), lora=on("q"), name="query")(x_BTD)
+        kv_kernel = ("embed", "kv_heads", "head_dim")
+        k_BTKH = linear((k, h), kv_kernel, lora=on("k"), name="key")(kv_BSD)
+        v_BTKH = linear((k, h), kv_kernel, lora=on("v"), name="value")(kv_BSD)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
-        out = linear((x_BTD.shape[-1],), ("heads", "head_dim", "embed"), name="out")
+        out_kernel = ("heads", "head_dim", "embed")
+        out = linear((x_BTD.shape[-1],), out_kernel, lora=on("o"), name="out")
         if cache is not None:
             o_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, *cache)
             return out(o_BTNH), cache
@@ -170,7 +175,7 @@ class Attention(nn.Module):
                 mask=mask,
                 scale=self.scale,
                 is_causal=self.causal,
-                implementation=self.implementation,
+                implementation=traced_attention(self.implementation),
             )
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"

@@ -3,7 +3,7 @@
 Weights are stored in `param_dtype` (float32 masters) and cast to the compute dtype before use;
 the cast happens on the stored shard, so ZeRO-3 all-gathers compute-dtype bytes. With `fp8`, a
 projection runs on FP8 GEMMs (`angel_jax/fp8.py`): e4m3 inputs and weight, e5m2 output
-gradient.
+gradient. With `lora` the projection adds a LoRA adapter's low-rank update (angel_jax/lora.py).
 """
 
 import math
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from angel_jax import fp8
+from angel_jax.lora import LoRA
 from angel_jax.parallel.fp8_collectives import zero3_dot
 from angel_jax.sharding import active_mesh, constrain
 
@@ -30,10 +31,13 @@ class Linear(nn.Module):
     fp8: bool = False
     fp8_gather: bool = False  # ZeRO-3's all-gather of the kernel in FP8 (zero3_dot).
     use_bias: bool = False  # A bias over the output dims (GPT-2, BERT), named like them.
+    lora: LoRA | None = None  # A LoRA adapter beside the kernel.
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self._project(x)
+        if self.lora:
+            y = y + self._adapter(x)
         if not self.use_bias:
             return y
         out_axes = self.axes[len(self.axes) - len(self.features) :]
@@ -62,6 +66,33 @@ class Linear(nn.Module):
         if self.fp8:
             return fp8.matmul(x, w, n_in)
         return jax.lax.dot_general(x, w, fp8.dims(x.ndim, w.ndim, n_in)[0])
+
+    def _adapter(self, x: jax.Array) -> jax.Array:
+        """scale * (x A) B: A (in..., rank) split like the kernel's inputs, B (rank, out...)
+        like its outputs, the rank whole. B starts at zero: the base projection's output."""
+        n_in = len(self.axes) - len(self.features)
+        in_shape, rank = x.shape[x.ndim - n_in :], self.lora.rank
+        a_axes, b_axes = (*self.axes[:n_in], None), (None, *self.axes[n_in:])
+        init = nn.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
+        a = self.param(
+            "lora_a",
+            nn.with_logical_partitioning(init, a_axes),
+            (*in_shape, rank),
+            self.param_dtype,
+        )
+        b = self.param(
+            "lora_b",
+            nn.with_logical_partitioning(nn.initializers.zeros, b_axes),
+            (rank, *self.features),
+            self.param_dtype,
+        )
+        x = x.astype(self.dtype)
+        if self.lora.dropout and self.has_rng("dropout"):  # Training's apply passes a key.
+            keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - self.lora.dropout, x.shape)
+            x = jnp.where(keep, x / (1 - self.lora.dropout), 0).astype(self.dtype)
+        a, b = constrain(a.astype(self.dtype), a_axes), constrain(b.astype(self.dtype), b_axes)
+        h = jax.lax.dot_general(x, a, fp8.dims(x.ndim, a.ndim, n_in)[0])
+        return self.lora.scale * jax.lax.dot_general(h, b, fp8.dims(h.ndim, b.ndim, 1)[0])
 
 
 class Embed(nn.Module):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from angel_jax import lora
 from angel_jax.layers.linear import Linear
 from angel_jax.sharding import constrain
 
@@ -16,6 +17,7 @@ class SwiGLU(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     fp8: bool = False  # Projections through FP8 (Linear.fp8).
     fp8_gather: bool = False  # ZeRO-3 all-gathers of their kernels in FP8 (Linear.fp8_gather).
+    adapters: lora.LoRA | None = None  # LoRA on the projections its targets name (gate, up, down).
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -23,11 +25,12 @@ class SwiGLU(nn.Module):
         linear = functools.partial(
             Linear, dtype=self.dtype, fp8=self.fp8, fp8_gather=self.fp8_gather
         )
-        gate = linear((self.ffn_dim,), ("embed", "mlp"), name="gate")(x)
-        up = linear((self.ffn_dim,), ("embed", "mlp"), name="up")(x)
+        on = lambda target: lora.on(self.adapters, target)
+        gate = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("gate"), name="gate")(x)
+        up = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("up"), name="up")(x)
         gate, up = checkpoint_name((gate, up), "mlp_in")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return linear((d_model,), ("mlp", "embed"), name="down")(h)
+        return linear((d_model,), ("mlp", "embed"), lora=on("down"), name="down")(h)
 
 
 ACTIVATIONS = {

@@ -15,6 +15,7 @@ from angel_jax.kernels import choose, resolve_attention
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
+from angel_jax.lora import LoRA
 from angel_jax.remat import LAYER_INPUT, layer_policy
 from angel_jax.sharding import constrain
 
@@ -58,6 +59,7 @@ class LlamaConfig:
     fp8_matmul: bool = False  # Projections through FP8 (config.fp8.matmul).
     fp8_gather: bool = False  # ZeRO-3's all-gathers of projection weights in FP8.
     fp8_lm_head: bool = False  # The LM head through FP8 too (config.fp8.lm_head).
+    lora: LoRA | None = None  # Adapters on the projections (config.model.lora).
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict, backend: str) -> "LlamaConfig":
@@ -89,6 +91,7 @@ class LlamaConfig:
             moe_kernel=choose("moe_kernel", model.moe_kernel, model.dtype)[0],
             scan_layers=model.scan_layers,
             mlp_chunks=model.mlp_chunks,
+            lora=LoRA.from_config(model),
         )
 
     def layer_matmul_params(self) -> int:
@@ -148,6 +151,7 @@ class DecoderLayer(nn.Module):
             cfg.fp8_matmul,
             cfg.fp8_gather,
             rope_scaling=cfg.rope_scaling,
+            adapters=cfg.lora,
             name="attn",
         )(x, mask_BTS=mask_BTT, positions=positions_BT, cache=cache)
         if cache is not None:
@@ -164,10 +168,10 @@ class DecoderLayer(nn.Module):
             chunks = nn.scan(
                 body,
                 variable_broadcast="params",
-                split_rngs={"params": False},
                 in_axes=2,
                 out_axes=2,
                 length=cfg.mlp_chunks,
+                **_dropout_rngs(cfg, False),
             )
             _, h_BTCD = chunks(self, None, h_BTD.reshape(b, t // cfg.mlp_chunks, cfg.mlp_chunks, d))
             return constrain(h_BTCD.reshape(b, t, d), RESIDUAL), {}
@@ -204,12 +208,28 @@ class DecoderLayer(nn.Module):
 RESIDUAL = ("batch", "norm_length", "embed")
 
 
+def _dropout_rngs(cfg: LlamaConfig, params: bool) -> dict:
+    """nn.scan's split_rngs (params split over its steps or not), with LoRA dropout's stream
+    split too: each layer and slice draws its own mask."""
+    if cfg.lora is None or not cfg.lora.dropout:
+        return dict(split_rngs={"params": params})
+    return dict(split_rngs={"params": params, "dropout": True})
+
+
 def _mlp_half(layer: DecoderLayer, h_BTD: jax.Array) -> jax.Array:
     """h + MLP(norm(h)): the dense layer's second half, its modules named in `layer`."""
     cfg, dtype = layer.cfg, jnp.dtype(layer.cfg.dtype)
     x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm", parent=layer)(h_BTD)
     x = constrain(x, ("batch", "length", "embed"))
-    mlp = SwiGLU(cfg.ffn_dim, dtype, cfg.fp8_matmul, cfg.fp8_gather, name="mlp", parent=layer)
+    mlp = SwiGLU(
+        cfg.ffn_dim,
+        dtype,
+        cfg.fp8_matmul,
+        cfg.fp8_gather,
+        adapters=cfg.lora,
+        name="mlp",
+        parent=layer,
+    )
     return constrain(h_BTD + mlp(x), RESIDUAL)
 
 
@@ -249,7 +269,7 @@ class Llama(nn.Module):
             stack = nn.scan(
                 layer,
                 variable_axes={"params": 0},
-                split_rngs={"params": True},
+                **_dropout_rngs(cfg, True),
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},

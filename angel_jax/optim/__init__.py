@@ -4,6 +4,8 @@ The optimizer state is a tree shaped like the params whose leaves are each param
 state. That lets each state be placed, sharded and streamed (ZeRO-Cache) with its parameter.
 A weight stacked over layers is optimized as one parameter per layer (vmapped over the layer
 axis): the same as an unstacked model, and what lets ZeRO-Cache update it a layer at a time.
+With LoRA (`adapters_only`) it trains the adapters alone: its state covers them and nothing
+else (angel_jax/lora.py), and the base weights pass through its update as they came.
 """
 
 import dataclasses
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from angel_jax import lora
 from angel_jax.optim.scaling import lr_and_warmup
 
 
@@ -39,6 +42,11 @@ class Optimizer:
     decayed: optax.GradientTransformation
     undecayed: optax.GradientTransformation
     grad_clip: float  # Global-norm clipping; 0 disables.
+    adapters_only: bool = False  # LoRA: the base weights are frozen, only the adapters train.
+
+    def trained(self, tree):
+        """The part of a params-shaped tree that it trains: the adapters under LoRA, else all."""
+        return lora.adapters(tree) if self.adapters_only else tree
 
     def _tx(self, path) -> optax.GradientTransformation:
         return self.decayed if _decays(path) else self.undecayed
@@ -50,6 +58,7 @@ class Optimizer:
 
     def init(self, params, stacked):
         """`stacked`: a tree like the params of bools, true for weights stacked over layers."""
+        params, stacked = self.trained(params), self.trained(stacked)
         return jax.tree_util.tree_map_with_path(self.init_leaf, params, stacked)
 
     def clip_scale(self, norm):
@@ -74,17 +83,22 @@ class Optimizer:
         return jax.vmap(one)(grad, state, param) if is_stacked else one(grad, state, param)
 
     def update(self, grads, state, params, stacked):
-        """(new params, new state, global grad norm) for params and state on the device."""
+        """(new params, new state, global grad norm) for params and state on the device;
+        `grads` and `state` of the trained part only (`trained`)."""
+        every = params
+        params, stacked = self.trained(params), self.trained(stacked)
         grads, norm = self.clip(grads)
         # `grads` has the params' structure, a prefix of the state's: each leaf call gets one
         # parameter's whole optax state.
         out = jax.tree_util.tree_map_with_path(self.update_leaf, grads, state, params, stacked)
         new_params = jax.tree.map(lambda _, o: o[0], grads, out)
         new_state = jax.tree.map(lambda _, o: o[1], grads, out)
+        if self.adapters_only:
+            new_params = lora.with_adapters(every, new_params)
         return new_params, new_state, norm
 
 
-def make_optimizer(train: ml_collections.ConfigDict) -> Optimizer:
+def make_optimizer(train: ml_collections.ConfigDict, adapters_only: bool = False) -> Optimizer:
     schedule = learning_rate_schedule(train)
     if train.optimizer == "adafactor":
         # Factored second moments, no first moment: about 4 bytes per parameter row + column
@@ -114,4 +128,4 @@ def make_optimizer(train: ml_collections.ConfigDict) -> Optimizer:
                 weight_decay=weight_decay,
             )
 
-    return Optimizer(tx(train.weight_decay), tx(0.0), train.grad_clip)
+    return Optimizer(tx(train.weight_decay), tx(0.0), train.grad_clip, adapters_only)

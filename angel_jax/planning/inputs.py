@@ -42,6 +42,9 @@ class ModelShape:
     scan_layers: bool
     remat: str  # config.model.remat: a policy, or auto.
     attention: str
+    # config.model.lora.rank: > 0, only the adapters train (grads and optimizer state are
+    # theirs alone, angel_jax/lora.py); 0, every param.
+    lora_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,7 @@ def plan_input(
         scan_layers=m.scan_layers,
         remat=m.remat,
         attention=resolve_attention(m, machine.backend()),
+        lora_rank=m.lora.rank,
     )
     return PlanInput(
         model=model,

@@ -9,6 +9,7 @@ import math
 import jax
 import numpy as np
 
+from angel_jax import lora
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose
 from angel_jax.mesh import DATA
 from angel_jax.planning import activations, tiers
@@ -67,6 +68,10 @@ class _Placer:
         )
         o, compute_dtype = inp.offload, np.dtype(inp.model.dtype)
         self.compute_dtype = compute_dtype
+        # The trained weights (LoRA: the adapters), which alone have grads, masters to update
+        # and optimizer state: `grads`, `offloaded_masters` and `opt` are theirs.
+        trained = lora.adapters if inp.model.lora_rank else lambda tree: tree
+        self.trained_stacked = trained(stacked)
         self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         self.extra = extra or {}
         if pipeline is not None:
@@ -84,18 +89,20 @@ class _Placer:
         # In the update's order; with the masters split (`Plan.split_masters`), their tier holds
         # the low half.
         self.split = o.split_masters and splits_masters(compute_dtype)
-        chunk_lists = {False: update_chunks(offloaded_masters, opt, stacked)}
+        chunk_lists = {False: update_chunks(offloaded_masters, opt, self.trained_stacked)}
         chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
         self.chunk_lists = chunk_lists
         disk_bytes = on_disk_bytes if o.ssd_compress else local_bytes
-        on_disk = update_chunks(offloaded_masters, opt, stacked, disk_bytes)
+        on_disk = update_chunks(offloaded_masters, opt, self.trained_stacked, disk_bytes)
         self.state_on_disk = {key: s for key, _, s in on_disk}
         self.in_flight, self.in_step = o.chunks_in_flight, o.update_in_step
         self.speculative = self.in_step and o.speculative_update
         # A speculating step keeps a resident chunk's old copy too.
         self.kept = 2 if self.speculative else 1
         # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
-        self.weight_bytes = weight_sizes(params, grads, stacked, compute_dtype)
+        self.weight_bytes = weight_sizes(
+            trained(params), grads, self.trained_stacked, compute_dtype
+        )
 
     def split_for(self, name: str) -> bool:
         return self.split and name == "optimizer"  # The compute copy on the device.
@@ -125,7 +132,7 @@ class _Placer:
         # each microbatch's, in the compute dtype, live in the step's temporaries.
         grad_bytes = self.compute_dtype.itemsize / 4
         layer_params, other_params = _split_bytes(params, self.stacked, self.compute_dtype)
-        f32_grads = _split_bytes(grads, self.stacked)
+        f32_grads = _split_bytes(grads, self.trained_stacked)
         layer_grads, other_grads = (b if accumulating else int(b * grad_bytes) for b in f32_grads)
         out = {
             "compute params": layer_params + other_params,
@@ -237,7 +244,7 @@ class _Placer:
 
     def pool(self, plan: Plan) -> tiers.PoolArrays:
         chunks = self.chunk_lists[plan.split_masters]
-        return pool_arrays(self.inp, plan, chunks, self.masters, self.opt, self.stacked)
+        return pool_arrays(self.inp, plan, chunks, self.masters, self.opt, self.trained_stacked)
 
     def finished(self, plan: Plan, measure_rates) -> Plan:
         """A fitting offloading candidate with the host cores' share of the update
@@ -283,6 +290,8 @@ def make_plan(
 
     `params`, `grads`, `offloaded_masters` are the abstract params in those states' layouts
     (with shardings), `opt` the abstract optimizer state, `stacked` which weights are stacked;
+    under LoRA (`inp.model.lora_rank`) grads, masters and optimizer state are the adapters'
+    alone (`lora.adapters`), so the plan counts them for the trained params only;
     `inputs_offloadable`: the model's layers can keep their inputs in host memory;
     `measure_rates`: () -> the rates `hybrid_share` takes (`cpu.measure_rates`), called when
     config.offload.cpu_update is -1 and the plan offloads the optimizer;
