@@ -1,7 +1,7 @@
 """Calibrates the run planner's compute model (angel_jax/planning/cost_model.py) on one GPU: times a
 transformer layer's forward + backward at the shard shapes each tensor-parallel size gives (the
 heads, KV heads and FFN split over tp, the model dim whole), in bf16 with cuDNN attention, and
-writes the efficiency points the planner reads (experiments/records/<gpu>/plan_calibration.json).
+writes the efficiency points the planner reads (experiments/calibration/<gpu>.json).
 
     python experiments/plan_calibrate.py --config configs/llama3_70b.py --out calib.json
     python experiments/plan_calibrate.py --from-records h100     # the default, from the records
@@ -163,7 +163,7 @@ def main() -> int:
     parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes to time")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", help="default: experiments/records/<gpu>/plan_calibration.json")
+    parser.add_argument("--out", help="default: experiments/calibration/<gpu>.json")
     parser.add_argument("--from-records", metavar="GPU", help="print the default calibration")
     args = parser.parse_args()
     if args.from_records:
@@ -173,7 +173,7 @@ def main() -> int:
         args.config, [int(t) for t in args.tp.split(",")], args.seq_len, args.reps, args.gpu
     )
     path = pathlib.Path(
-        args.out or ROOT / "experiments" / "records" / args.gpu / "plan_calibration.json"
+        args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

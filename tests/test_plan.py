@@ -83,7 +83,7 @@ def test_the_memory_check_refuses_and_names_why():
 
 @pytest.mark.parametrize(
     "gpu, calibration",
-    # The H100's points are measured (experiments/records/h100/plan_calibration.json); the
+    # The H100's points are measured (experiments/calibration/h100.json); the
     # H200 has none and takes the default from its step records.
     [("h100", "calibration: measured: "), ("h200", "calibration: default: ")],
 )

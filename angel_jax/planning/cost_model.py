@@ -5,7 +5,7 @@ A step is compute plus what of its communication the compute does not hide:
 - compute: the FLOPs each device runs (forward, backward = 2 forwards, and what the remat
   policy recomputes) at the device's peak times an efficiency. The efficiency is calibrated:
   measured for a layer's shard on one GPU (experiments/plan_calibrate.py writes
-  experiments/records/<gpu>/plan_calibration.json), else derived from the step records on file
+  experiments/calibration/<gpu>.json), else derived from the step records on file
   (`DEFAULT_POINTS`). It depends on the layer's matmul parameters per device (a tensor split
   makes the matmuls narrower and less efficient), interpolated log-linearly between points.
 - collectives: ring algorithms on alpha-beta links (`all_gather_s`, `reduce_scatter_s`,
@@ -147,9 +147,11 @@ DEFAULT_POINTS = {
 }
 
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
 def calibration_path(gpu: str, root: pathlib.Path | None = None) -> pathlib.Path:
-    root = root or pathlib.Path(__file__).resolve().parents[2]
-    return root / "experiments" / "records" / gpu / "plan_calibration.json"
+    return (root or REPO) / "experiments" / "calibration" / f"{gpu}.json"
 
 
 def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
@@ -161,7 +163,8 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
     data = json.loads(path.read_text())
     default = DEFAULT_POINTS[gpu]
     return Calibration(
-        f"measured: {path} ({data.get('device', '?')}, {data.get('date', '?')})",
+        f"measured: {path.relative_to(REPO) if path.is_relative_to(REPO) else path} "
+        f"({data.get('device', '?')}, {data.get('date', '?')})",
         tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
         data.get("xla_attention_efficiency", default.xla_attention_efficiency),
         data.get("fp8_speedup", default.fp8_speedup),
