@@ -147,9 +147,11 @@ def test_ring_blocks_equal_xla_blocks(kernel, causal):
     ours, ref = block(q, k, v, causal), kernels.xla_block(q, k, v, causal)
     for a, b in zip(ours, ref, strict=True):
         _close(a, b, 1e-2)
-    from angel_jax.parallel.attention import _merge
+    from angel_jax.parallel.attention import merge_blocks
 
-    out, lse = _merge(*kernels.xla_block(q, k, v, causal), *kernels.xla_block(q, k2, v2, False))
+    out, lse = merge_blocks(
+        *kernels.xla_block(q, k, v, causal), *kernels.xla_block(q, k2, v2, False)
+    )
     ours = block_grads(q, k, v, do, out, lse, causal)
     ref = kernels.xla_block_grads(q, k, v, do, out, lse, causal)
     for a, b in zip(ours, ref, strict=True):

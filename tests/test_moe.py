@@ -150,11 +150,11 @@ def test_dropless_backward_neither_saves_nor_recomputes_the_down_projection(caps
 @pytest.mark.parametrize("d", [16, 15])
 def test_rows_gathered_as_words_equal_a_plain_gather(d):
     """bf16 rows move as 32-bit words (odd widths as they are): the same bits."""
-    from angel_jax.parallel.expert import _gather_rows
+    from angel_jax.parallel.expert import gather_rows
 
     x = jax.random.normal(jax.random.key(0), (32, d), jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(1), (96,), 0, 32)
-    np.testing.assert_array_equal(np.asarray(_gather_rows(x, idx)), np.asarray(x[idx]))
+    np.testing.assert_array_equal(np.asarray(gather_rows(x, idx)), np.asarray(x[idx]))
 
 
 RULES = {"batch": ("data", "expert"), "expert": "expert", "embed": None, "mlp": "tensor"}

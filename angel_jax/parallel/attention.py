@@ -47,7 +47,7 @@ def zigzag_order(length: int, ranks: int) -> np.ndarray:
     return np.concatenate([chunks[[i, 2 * ranks - 1 - i]].ravel() for i in range(ranks)])
 
 
-def _merge(out, lse, out_b, lse_b):
+def merge_blocks(out, lse, out_b, lse_b):
     """Combines two partial softmax attentions of the same queries over disjoint keys."""
     new = jnp.logaddexp(lse, lse_b)
     safe = jnp.where(jnp.isfinite(new), new, 0.0)
@@ -109,7 +109,7 @@ def _ring_forward(q, k, v, axis, causal, blocks_impl):
             # The first query chunk sees the first key chunk causally; the second (later in
             # the sequence) sees the first whole and the second causally.
             out_a, lse_a = block(q[:, :c], k[:, :c], v[:, :c], True)
-            out_b, lse_b = _merge(
+            out_b, lse_b = merge_blocks(
                 *block(q[:, c:], k[:, :c], v[:, :c], False),
                 *block(q[:, c:], k[:, c:], v[:, c:], True),
             )
@@ -132,7 +132,7 @@ def _ring_forward(q, k, v, axis, causal, blocks_impl):
     def step(s, carry):
         out, lse, kv = carry
         incoming = ring.send(kv)  # Overlaps with this step's blocks.
-        out, lse = _merge(out, lse, *blocks(s, kv))
+        out, lse = merge_blocks(out, lse, *blocks(s, kv))
         return out, lse, incoming
 
     out, lse = blocks(0, (k, v))
