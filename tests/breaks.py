@@ -882,7 +882,10 @@ BREAKS = [
         "    bits = jax.lax.optimization_barrier("
         "jax.lax.bitcast_convert_type(master, jnp.uint32))\n",
         "    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)\n",
-        ["tests/test_offload_masters.py::test_split_masters_train_as_whole_ones"],
+        [
+            "tests/test_offload_masters.py::test_split_masters_train_as_whole_ones",
+            "tests/test_offload_masters.py::test_both_halves_read_one_evaluation_of_the_master",
+        ],
     ),
     (
         "the planner counts split masters whole",

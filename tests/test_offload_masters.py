@@ -78,6 +78,16 @@ PATHS = {
 }
 
 
+def test_both_halves_read_one_evaluation_of_the_master():
+    """The halves split one value of the master: an optimization barrier stands between the
+    update that makes it and the halves' consumers, or XLA may fuse the update into each and
+    compute it twice, two evaluations that can differ in the last bit (the CPU at -O0 did)."""
+    x = jnp.ones((64, 64), jnp.float32)
+    updated_then_split = lambda master, grad: masters.split(master - 1e-3 * grad, jnp.bfloat16)
+    program = jax.jit(updated_then_split).lower(x, x).as_text()
+    assert program.count("optimization_barrier") == 1
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_split_masters_train_as_whole_ones(path, tmp_path):
     """Each update path with split masters trains as with whole ones: the same losses,
