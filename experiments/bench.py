@@ -66,6 +66,8 @@ def commit() -> str:
     """The commit measured: BENCH_COMMIT (a device machine's copy has no .git), else git's."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+    if not (ROOT / ".git").exists():  # A copy of the tree inside another repository: not its.
+        return "unknown"
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
