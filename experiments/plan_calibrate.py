@@ -172,6 +172,10 @@ def main() -> int:
     out = measure(
         args.config, [int(t) for t in args.tp.split(",")], args.seq_len, args.reps, args.gpu
     )
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench import commit
+
+    out.update(command="python " + " ".join(sys.argv), commit=commit())
     path = pathlib.Path(
         args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json"
     )
