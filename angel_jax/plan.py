@@ -38,7 +38,7 @@ from angel_jax.remat import STAGE_REMATS
 
 RESERVED_GIB = 2.0  # cuBLAS/cuDNN workspaces and NCCL's buffers, beside what XLA plans.
 TENSOR_SIZES = (1, 2, 4, 8)  # Within a host: tensor traffic stays on NVLink.
-CONTEXT_SIZES = (1, 2, 4, 8)
+CONTEXT_SIZES = (1, 2, 4, 8, 16)  # Beyond a host, a ring over InfiniBand (long sequences).
 PIPELINE_SIZES = (1, 2, 4, 8, 16)
 VIRTUAL = (2, 4, 5)  # The circular schedule's chunks per stage tried.
 BUDGET_NOTE = f"{USABLE:.0%} of jax's limit less {RESERVED_GIB:g} GiB for workspaces"
