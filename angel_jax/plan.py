@@ -15,6 +15,7 @@ memory beside the prediction, and the collectives it holds. docs/planning.md say
 the output and where the model is weak.
 """
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -172,14 +173,12 @@ def layouts(problem: Problem, shape) -> list[Layout]:
                     continue
                 out.append(Layout(dp, tp, 1, cp, zero, remat, m, offload=off))
             continue
-        # The pipeline's stages take cuDNN's attention only when no other axis is split.
-        attention = "cudnn" if dp * tp * cp == 1 else "xla"
         for m in (m for m in counts if m >= pp):
             schedules = [("1f1b", 1), ("gpipe", 1)]
             if m % pp == 0:
                 schedules += [("circular", v) for v in VIRTUAL if L >= pp * v]
             for (sched, v), zero, remat in itertools.product(schedules, (0, 1), STAGE_REMATS):
-                out.append(Layout(dp, tp, pp, cp, zero, remat, m, sched, v, "none", attention))
+                out.append(Layout(dp, tp, pp, cp, zero, remat, m, sched, v))
     return out
 
 
@@ -416,6 +415,8 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
         argument_gib=mem.argument_size_in_bytes / 2**30,
         host_temp_gib=mem.host_temp_size_in_bytes / 2**30,
         collectives=collective_counts(text),
+        # The library kernels it calls (cuDNN's attention, cuBLAS's GEMMs), by name.
+        kernels=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
     )
     if exp.pipeline is None:
         out["compiled_peak_gib"] = compiled_peak(exp.plan, mem.temp_size_in_bytes) / 2**30

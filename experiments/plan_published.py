@@ -167,12 +167,7 @@ def compare(run: Published, search: bool = True) -> dict:
         shape, run.seq_len
     )
     model = plan.evaluate(problem, shape, theirs, run.system, with_memory=False)
-    ours_layout = theirs
-    if theirs.pipeline > 1:  # Our schedule; our stages need XLA's attention beside other axes.
-        split = theirs.data * theirs.tensor * theirs.context > 1
-        ours_layout = dataclasses.replace(theirs, attention="xla" if split else "cudnn")
-    xla_shape = plan.model_shape(problem.config.model, ours_layout.attention)
-    ours = plan.evaluate(problem, xla_shape, ours_layout)
+    ours = plan.evaluate(problem, shape, theirs)  # Our schedules and memory.
     row = dict(
         run=run.name,
         gpus=run.gpus,

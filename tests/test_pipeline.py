@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedule tables, stage layout and balance, and every schedule's loss
 and grads against the model without a pipeline (float32, 8 emulated devices)."""
 
+import dataclasses
 import functools
 import pathlib
 
@@ -350,18 +351,34 @@ def test_bad_pipeline_settings_name_the_setting(overrides, names):
         assert name in str(e.value)
 
 
-def test_cudnn_attention_with_other_split_axes_is_refused():
-    """cuDNN attention works in the stages only when the shard_map is manual over every axis,
-    i.e. when `pipeline` is the only split one."""
-    import dataclasses
+def test_attention_in_a_stage_runs_on_each_devices_shard():
+    """cuDNN's attention in a stage beside other split axes: the stage's region is manual over
+    `pipeline` only, so the call runs in a region manual over data and tensor too, each device
+    on its rows and heads (the GPU compile of it: tests/test_plan.py). Here XLA's attention
+    stands in for cuDNN's, to check the layout plumbing against the whole computation."""
+    from jax.sharding import PartitionSpec as P
 
+    from angel_jax.parallel.attention import per_device_attention
+
+    mesh = jax.make_mesh((2, 2, 2), ("pipeline", "data", "tensor"))
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 4, 32, 4, 8))
+    spec = P("data", None, "tensor", None)
+
+    def stage(q, k, v):
+        return per_device_attention(
+            q, k, v, mesh, spec, spec, scale=None, causal=True, implementation="xla"
+        )
+
+    in_stage = jax.shard_map(
+        stage, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"pipeline"}, check_vma=False
+    )
+    got = jax.jit(in_stage)(q, k, v)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     config = small_config(model__num_layers=4, mesh__pipeline=2, mesh__data=2)
     cfg = dataclasses.replace(LlamaConfig.from_config(config.model, "cpu"), attention="cudnn")
     shape = dict(data=2, pipeline=2, expert=1, context=1, sequence=1, tensor=1)
-    with pytest.raises(ConfigError, match="config.model.attention=cudnn.*set config.model"):
-        make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)
-    alone = {**shape, "data": 1}
-    make_pipeline_plan(plan_input(config, alone, cfg, budget={}), cfg)  # Pipeline alone: accepted.
+    make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)  # Accepted.
 
 
 def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute():

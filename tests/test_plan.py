@@ -154,6 +154,20 @@ def test_compiles_for_a_two_host_topology():
     assert sum(c["ops"] for c in got["collectives"].values()) > 0
 
 
+@pytest.mark.skipif(
+    not has_cuda_compiler(),
+    reason="compile-only GPU devices need jax[cuda13] (its CUDA plugin and cuDNN)",
+)
+def test_pipeline_stages_call_cudnn_attention_beside_split_axes():
+    # A stage's region is manual over `pipeline` only; its attention runs in a region manual
+    # over data and tensor too (per_device_attention), where cuDNN's call needs no partitioner.
+    p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
+    layout = plan.Layout(2, 2, 2, 1, 1, "full", 4, "1f1b", attention="cudnn")
+    got = plan.compile_layout(p, layout, hosts=1)
+    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
+
+
 def test_a_long_sequence_rings_beyond_a_host():
     # Llama 3 405B at 131k tokens, 128 sequences on 16,384 GPUs: only a 16-way context ring
     # (two hosts) with tp 8 splits the batch; without it no layout exists.

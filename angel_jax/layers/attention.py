@@ -18,7 +18,11 @@ from angel_jax.config import ConfigError
 from angel_jax.kernels import traced_attention
 from angel_jax.layers.linear import Linear
 from angel_jax.mesh import CONTEXT
-from angel_jax.parallel.attention import sequence_parallel_attention, zigzag_order
+from angel_jax.parallel.attention import (
+    per_device_attention,
+    sequence_parallel_attention,
+    zigzag_order,
+)
 from angel_jax.sharding import constrain
 
 
@@ -165,6 +169,18 @@ class Attention(nn.Module):
                 implementation=self.implementation,
                 ring_blocks=self.ring_blocks,
             )
+        elif self._in_a_stage(mesh, mask_BTS, bias_NTS):
+            o_BTNH = per_device_attention(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                mesh,
+                sharding.active_spec(("batch", "length", "heads", "head_dim")),
+                sharding.active_spec(kv_axes),
+                scale=self.scale,
+                causal=self.causal,
+                implementation=traced_attention(self.implementation),
+            )
         else:
             mask = None if mask_BTS is None else mask_BTS[:, None]  # (B, 1, T, S).
             o_BTNH = jax.nn.dot_product_attention(
@@ -181,6 +197,15 @@ class Attention(nn.Module):
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )
         return out(o_BTNH)
+
+    def _in_a_stage(self, mesh, mask_BTS, bias_NTS) -> bool:
+        """Whether cuDNN's attention runs in a pipeline stage beside other split axes, where
+        each device must call it on its own shard (`per_device_attention`)."""
+        region = jax.sharding.get_abstract_mesh()
+        auto = [n for a, n in region.shape.items() if a not in region.manual_axes]
+        stage = mesh is not None and bool(region.manual_axes) and any(n > 1 for n in auto)
+        plain = mask_BTS is None and bias_NTS is None
+        return stage and plain and self.implementation == "cudnn"
 
     def _rotate(self, q_BTNH, k_BTKH, positions):
         """Queries and keys with the rotary embedding of `positions` (if the layer has it)."""

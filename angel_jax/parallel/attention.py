@@ -281,3 +281,23 @@ def sequence_parallel_attention(
         out_specs=spec,
         check_vma=False,
     )(q, k, v)
+
+
+def per_device_attention(q, k, v, mesh, q_spec: P, kv_spec: P, *, scale, causal, implementation):
+    """Attention of global q (B, T, N, H) and k, v laid out by `q_spec` and `kv_spec` (the
+    length whole), each device on its own batch rows and heads. Inside a pipeline stage (a
+    region manual over `pipeline` only) cuDNN's custom partitioner cannot lay its call out over
+    the other split axes; a region manual over all of them leaves it nothing to partition."""
+
+    def local(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation=implementation
+        )
+
+    return jax.shard_map(
+        local,
+        mesh=shard_map_mesh(mesh),
+        in_specs=(q_spec, kv_spec, kv_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q, k, v)

@@ -188,14 +188,6 @@ def make_pipeline_plan(inp: PlanInput, cfg: DecoderShape) -> PipelinePlan:
             "the last stage computes one microbatch's logits at a time already",
         ),
     }
-    if cfg.attention == "cudnn" and any(n > 1 for a, n in mesh_shape.items() if a != PIPELINE):
-        # The stages' shard_map is then manual over `pipeline` only (pipeline.py).
-        unsupported["config.model.attention"] = (
-            "cudnn",
-            "xla",
-            "cuDNN attention's custom partitioner fails inside a shard_map manual over some "
-            "mesh axes only (here pipeline, with other split axes)",
-        )
     for name, (value, needed, why) in unsupported.items():
         if value != needed:
             raise ConfigError(
