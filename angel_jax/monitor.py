@@ -234,91 +234,58 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
 
-class Monitor:
-    """Watches a training run: see the module docstring. Create it before the slow start
-    (compiling, restoring): the hang watchdog runs from then on."""
+class StragglerClock:
+    """Step times as the steps are read: a step slower than `factor` x the median of the last
+    `window` is logged with this process's host (a straggler)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        self.cfg = config.monitor
-        self.events = EventLog(workdir)
-        self.window = LossWindow(self.cfg.spike_window, self.cfg.spike_zscore)
-        self.step_times = collections.deque(maxlen=self.cfg.straggler_window)
-        self.faults = Faults(os.environ.get("ANGEL_FAULTS", ""), workdir, config.model.vocab_size)
-        self.watchdog = None
-        if self.cfg.hang_timeout_s > 0:
-            self.watchdog = Watchdog(
-                self.cfg.hang_timeout_s, self.cfg.first_step_timeout_s, self.events
-            )
-        self.rollbacks = 0
-        self._consecutive = 0
-        self._unread = []  # (step, metrics, data index) dispatched but not yet read.
-        self._next_step = 0  # The step the next dispatch computes,
-        self._next_batch = 0  # and the batch it reads.
+    def __init__(self, factor: float, window: int, events: EventLog):
+        self.factor, self.events = factor, events
+        self.step_times = collections.deque(maxlen=window)
         self._last_read = None  # (step, time) of the last step read.
         self._untimed_until = 0  # Steps up to this one are not timed (start, saves, rollbacks).
 
-    @property
-    def skips_in_step(self) -> bool:
-        return self.cfg.on_anomaly == "skip"
-
-    def step_fn(self, exp):
-        """`(state, batch) -> (state, metrics)`: the experiment's step, guarded when anomalies
-        are skipped. Compiles it."""
-        step_fn = exp.loop_step  # Guarded when anomalies are skipped in the step.
-
-        def run(state, batch):
-            self._next_step += 1
-            self._next_batch += 1
-            batch = self.faults.before_step(self._next_step, self._next_batch - 1, batch)
-            if self.skips_in_step:
-                return step_fn(state, batch, self.window.ceiling())
-            return step_fn(state, batch)
-
-        return run
-
-    def start(self, step: int, data_index: int) -> None:
-        """Training (re)starts after `step` with batch `data_index`; its first step is not
-        timed."""
-        self._next_step, self._next_batch = step, data_index
-        self._unread.clear()
+    def restart(self, step: int) -> None:
+        """Training (re)starts after `step`: its first step is not timed."""
         self._last_read = None
         self._untimed_until = step + 1
-        self._beat(step)
-
-    def observe(self, step: int, metrics: dict, data_index: int, sync: bool = False):
-        """Takes step `step`'s (device) metrics and reads the previous step's, or this one's
-        too with `sync` (before a checkpoint, which must not hold an anomalous state).
-        `data_index`: the batch index after this step's batch. Returns a `Rollback` when the
-        run must go back to its last checkpoint, else None."""
-        self._unread.append((step, metrics, data_index))
-        ready = len(self._unread) if sync else len(self._unread) - 1
-        for _ in range(ready):
-            verdict = self._read(*self._unread.pop(0))
-            if verdict is not None:
-                self._unread.clear()
-                return verdict
-        return None
 
     def saved(self, step: int) -> None:
         """A checkpoint of `step` was just started: the next step's time includes it."""
         self._untimed_until = step + 1
-        self.faults.after_save(step)
 
-    def close(self) -> None:
-        if self.watchdog:
-            self.watchdog.stop()
+    def read(self, step: int, now: float) -> None:
+        """Step `step` was read at `now`: time it against the last one read."""
+        previous, self._last_read = self._last_read, (step, now)
+        if previous is None or previous[0] != step - 1 or step <= self._untimed_until:
+            return
+        took = now - previous[1]
+        if self.factor and len(self.step_times) >= max(2, self.step_times.maxlen // 2):
+            median = float(np.median(self.step_times))
+            if took > self.factor * median:
+                self.events.say(
+                    f"straggler: step {step} took {took:.3f} s, {took / median:.1f}x the median "
+                    f"{median:.3f} s"
+                )
+                self.events.write(
+                    "straggler", step, every_process=True, step_s=took, median_s=median
+                )
+        self.step_times.append(took)
 
-    def _beat(self, step: int) -> None:
-        if self.watchdog:
-            self.watchdog.beat(step)
 
-    def _read(self, step: int, metrics: dict, data_index: int) -> Rollback | None:
-        names = [n for n in ("loss", "grad_norm", "skipped") if n in metrics]
-        values = {k: float(v) for k, v in jax.device_get({n: metrics[n] for n in names}).items()}
-        self._beat(step)
-        self._time(step, time.perf_counter())
-        loss, norm = values["loss"], values.get("grad_norm", 0.0)
-        if values.get("skipped"):  # Dropped inside the step.
+class AnomalyPolicy:
+    """Decides what a step's loss and grad norm mean: accepted into the spike window, or an
+    anomaly to skip, roll back or log (`config.monitor.on_anomaly`), or the end (`Diverged`)."""
+
+    def __init__(self, cfg: ml_collections.ConfigDict, events: EventLog):
+        self.cfg, self.events = cfg, events
+        self.window = LossWindow(cfg.spike_window, cfg.spike_zscore)
+        self.rollbacks = 0
+        self._consecutive = 0
+
+    def judge(self, step, loss, norm, skipped, data_index) -> Rollback | None:
+        """A `Rollback` when the run must go back to its last checkpoint, else None.
+        `skipped`: the step already dropped its update."""
+        if skipped:  # Dropped inside the step.
             kind = "nonfinite" if not (math.isfinite(loss) and math.isfinite(norm)) else "spike"
             return self._anomaly(step, kind, loss, norm, data_index, "skipped the update")
         kind = self.window.judge(loss, norm)
@@ -363,6 +330,90 @@ class Monitor:
             )
         return Rollback(step, data_index + self.cfg.rollback_skip_batches)
 
+
+class Monitor:
+    """Watches a training run: see the module docstring. Create it before the slow start
+    (compiling, restoring): the hang watchdog runs from then on."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.cfg = config.monitor
+        self.events = EventLog(workdir)
+        self.anomalies = AnomalyPolicy(self.cfg, self.events)
+        self.clock = StragglerClock(
+            self.cfg.straggler_factor, self.cfg.straggler_window, self.events
+        )
+        self.faults = Faults(os.environ.get("ANGEL_FAULTS", ""), workdir, config.model.vocab_size)
+        self.watchdog = None
+        if self.cfg.hang_timeout_s > 0:
+            self.watchdog = Watchdog(
+                self.cfg.hang_timeout_s, self.cfg.first_step_timeout_s, self.events
+            )
+        self._unread = []  # (step, metrics, data index) dispatched but not yet read.
+        self._next_step = 0  # The step the next dispatch computes,
+        self._next_batch = 0  # and the batch it reads.
+
+    @property
+    def skips_in_step(self) -> bool:
+        return self.cfg.on_anomaly == "skip"
+
+    def step_fn(self, exp):
+        """`(state, batch) -> (state, metrics)`: the experiment's step, guarded when anomalies
+        are skipped. Compiles it."""
+        step_fn = exp.loop_step  # Guarded when anomalies are skipped in the step.
+
+        def run(state, batch):
+            self._next_step += 1
+            self._next_batch += 1
+            batch = self.faults.before_step(self._next_step, self._next_batch - 1, batch)
+            if self.skips_in_step:
+                return step_fn(state, batch, self.anomalies.window.ceiling())
+            return step_fn(state, batch)
+
+        return run
+
+    def start(self, step: int, data_index: int) -> None:
+        """Training (re)starts after `step` with batch `data_index`; its first step is not
+        timed."""
+        self._next_step, self._next_batch = step, data_index
+        self._unread.clear()
+        self.clock.restart(step)
+        self._beat(step)
+
+    def observe(self, step: int, metrics: dict, data_index: int, sync: bool = False):
+        """Takes step `step`'s (device) metrics and reads the previous step's, or this one's
+        too with `sync` (before a checkpoint, which must not hold an anomalous state).
+        `data_index`: the batch index after this step's batch. Returns a `Rollback` when the
+        run must go back to its last checkpoint, else None."""
+        self._unread.append((step, metrics, data_index))
+        ready = len(self._unread) if sync else len(self._unread) - 1
+        for _ in range(ready):
+            verdict = self._read(*self._unread.pop(0))
+            if verdict is not None:
+                self._unread.clear()
+                return verdict
+        return None
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of `step` was just started: the next step's time includes it."""
+        self.clock.saved(step)
+        self.faults.after_save(step)
+
+    def close(self) -> None:
+        if self.watchdog:
+            self.watchdog.stop()
+
+    def _beat(self, step: int) -> None:
+        if self.watchdog:
+            self.watchdog.beat(step)
+
+    def _read(self, step: int, metrics: dict, data_index: int) -> Rollback | None:
+        names = [n for n in ("loss", "grad_norm", "skipped") if n in metrics]
+        values = {k: float(v) for k, v in jax.device_get({n: metrics[n] for n in names}).items()}
+        self._beat(step)
+        self.clock.read(step, time.perf_counter())
+        loss, norm = values["loss"], values.get("grad_norm", 0.0)
+        return self.anomalies.judge(step, loss, norm, values.get("skipped"), data_index)
+
     def rolled_back(self, step: int, rollback: Rollback) -> None:
         """The state is back at `step` after `rollback`."""
         self.events.write("rollback", rollback.step, to_step=step, data_index=rollback.data_index)
@@ -372,21 +423,3 @@ class Monitor:
                 f"past the anomalous step {rollback.step}"
             )
         self.start(step, rollback.data_index)
-
-    def _time(self, step: int, now: float) -> None:
-        previous, self._last_read = self._last_read, (step, now)
-        if previous is None or previous[0] != step - 1 or step <= self._untimed_until:
-            return
-        took = now - previous[1]
-        factor = self.cfg.straggler_factor
-        if factor and len(self.step_times) >= max(2, self.step_times.maxlen // 2):
-            median = float(np.median(self.step_times))
-            if took > factor * median:
-                self.events.say(
-                    f"straggler: step {step} took {took:.3f} s, {took / median:.1f}x the median "
-                    f"{median:.3f} s"
-                )
-                self.events.write(
-                    "straggler", step, every_process=True, step_s=took, median_s=median
-                )
-        self.step_times.append(took)

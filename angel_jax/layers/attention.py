@@ -74,6 +74,42 @@ def apply_rope(
     return out.astype(x_BTNH.dtype)
 
 
+def _require_whole_sequence(split, extras, cross: bool, causal: bool) -> None:
+    """Fails early, naming the fix, where the sequence is split over devices but the attention
+    needs all of it on each: masks, biases or positions (`extras`), cross or bidirectional."""
+    if split and (any(e is not None for e in extras) or cross or not causal):
+        raise ConfigError(
+            "attention masks, biases, per-document positions, cross and bidirectional "
+            "attention (config.data.packing, BERT, T5) need the whole sequence per device: "
+            "set config.mesh.context=1 and config.mesh.sequence=1"
+        )
+
+
+def _rope_positions(length: int, positions, split, mesh) -> jax.Array:
+    """The tokens' positions for RoPE in the order the model sees them: `positions` or 0..T-1,
+    in ring attention's zigzag order where the context axis splits the sequence."""
+    if positions is None:
+        positions = jnp.arange(length)
+    if split and CONTEXT in (split if isinstance(split, tuple) else (split,)):
+        # Ring attention's zigzag: the model sees its tokens in this order.
+        positions = jnp.asarray(zigzag_order(length, mesh.shape[CONTEXT]))
+    return positions
+
+
+def _split_kv_heads_like_queries(k_BTKH, v_BTKH, groups: int):
+    """Keys and values pinned to the tensor layout of the query heads they serve (`groups` of
+    them per KV head)."""
+    if sharding.rule("kv_heads") != sharding.rule("heads"):
+        # KV heads are replicated where query heads are split (fewer KV heads than tensor
+        # ranks): repeat them to one per query head so both split the same way.
+        k_BTKH = jnp.repeat(k_BTKH, groups, axis=2)
+        v_BTKH = jnp.repeat(v_BTKH, groups, axis=2)
+        kv_axes = ("batch", "length", "heads", "head_dim")
+    else:
+        kv_axes = ("batch", "length", "kv_heads", "head_dim")
+    return constrain(k_BTKH, kv_axes), constrain(v_BTKH, kv_axes)
+
+
 class Attention(nn.Module):
     """Letters: B batch, T length, D model dim, N query heads, K kv heads, H head dim."""
 
@@ -133,31 +169,14 @@ class Attention(nn.Module):
         if cache is not None:
             o_BTNH, cache = self._attend_cached(q_BTNH, k_BTKH, v_BTKH, *cache)
             return out(o_BTNH), cache
-        length = x_BTD.shape[1]
         mesh, split = sharding.active_mesh(), sharding.rule("length")
-        extras = (mask_BTS, bias_NTS, positions)
-        if split and (any(e is not None for e in extras) or cross or not self.causal):
-            raise ConfigError(
-                "attention masks, biases, per-document positions, cross and bidirectional "
-                "attention (config.data.packing, BERT, T5) need the whole sequence per device: "
-                "set config.mesh.context=1 and config.mesh.sequence=1"
-            )
-        if positions is None:
-            positions = jnp.arange(length)
-        if split and CONTEXT in (split if isinstance(split, tuple) else (split,)):
-            # Ring attention's zigzag: the model sees its tokens in this order.
-            positions = jnp.asarray(zigzag_order(length, mesh.shape[CONTEXT]))
+        _require_whole_sequence(
+            split, (mask_BTS, bias_NTS, positions), cross=cross, causal=self.causal
+        )
+        positions = _rope_positions(x_BTD.shape[1], positions, split, mesh)
         q_BTNH, k_BTKH = self._rotate(q_BTNH, k_BTKH, positions)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
-        if sharding.rule("kv_heads") != sharding.rule("heads"):
-            # KV heads are replicated where query heads are split (fewer KV heads than tensor
-            # ranks): repeat them to one per query head so both split the same way.
-            k_BTKH = jnp.repeat(k_BTKH, n // k, axis=2)
-            v_BTKH = jnp.repeat(v_BTKH, n // k, axis=2)
-            kv_axes = ("batch", "length", "heads", "head_dim")
-        else:
-            kv_axes = ("batch", "length", "kv_heads", "head_dim")
-        k_BTKH, v_BTKH = constrain(k_BTKH, kv_axes), constrain(v_BTKH, kv_axes)
+        k_BTKH, v_BTKH = _split_kv_heads_like_queries(k_BTKH, v_BTKH, n // k)
         if split:  # The sequence is split over devices: ring and/or Ulysses attention.
             spec = sharding.active_spec(("batch", "length", "heads", "head_dim"))
             o_BTNH = sequence_parallel_attention(

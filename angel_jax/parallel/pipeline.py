@@ -381,7 +381,9 @@ class _Program:
         kept = jax.tree.map(lambda x: jnp.zeros((self.schedule.slots, *x.shape), x.dtype), on.kept)
         grads = self.pin_grads(_zeros(layers, jnp.float32), _zeros(shared, jnp.float32))
         carry = (self.h_zeros(), self.h_zeros(), kept, *grads, _zeros(self.values_shape))
-        carry, _ = jax.lax.scan(on.tick, carry, (forward_table, backward_table, busy))
+        carry, _ = jax.lax.scan(
+            functools.partial(_tick, on), carry, (forward_table, backward_table, busy)
+        )
         _, _, _, grads, shared_grads, sums = carry
         # Only the first stage has embedding grads, only the last head grads and metrics.
         shared_grads, sums = jax.lax.psum((shared_grads, sums), PIPELINE)
@@ -394,8 +396,8 @@ def _pick(tree, i):
 
 
 class _OnStage:
-    """One stage's chunks and inputs inside the stage region: a chunk's forward and backward,
-    and one tick of the schedule."""
+    """One stage's chunks and inputs inside the stage region: a chunk's forward and backward
+    (`_tick` runs them by the schedule)."""
 
     def __init__(self, program: _Program, s, layers, mask, shared, tokens, targets):
         self.program, self.s, self.layers, self.mask = program, s, layers, mask
@@ -480,43 +482,59 @@ class _OnStage:
         d_shared, d_x = jax.lax.cond(self.is_first(chunk), embed, lambda: (d_shared, d_h))
         return d_layers, d_shared, d_x
 
-    def tick(self, carry, rows):
-        g, p = self.program, self.program.schedule.stages
-        recv_f, recv_b, kept, grads, shared_grads, sums = carry
-        (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
-        any_f, any_b = rows[2]  # Whether any stage has an F, a B, at this tick.
 
-        # F: run the chunk, keep its residuals in the slot, send the output on.
-        active = mb != IDLE
-        mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
-        idle = lambda: (g.h_zeros(), _zeros(self.kept), _zeros(g.values_shape))
-        run = lambda: self.chunk_forward(chunk, mb, recv_f)
-        out, saved, values = g.maybe(active, run, idle, anywhere=any_f)
-        kept = jax.tree.map(
-            lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
-        )
-        sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
-        recv_f = g.pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))
+def _tick(on: _OnStage, carry, rows):
+    """One tick of the schedule on a stage (the `lax.scan` body): its F phase, then its B phase.
+    `rows`: this stage's rows of the forward and backward tables, and the busy ticks' row."""
+    recv_f, recv_b, kept, grads, shared_grads, sums = carry
+    (mb, chunk, slot), (b_mb, b_chunk, b_slot) = rows[0][0], rows[1][0]
+    any_f, any_b = rows[2]  # Whether any stage has an F, a B, at this tick.
+    recv_f, kept, sums = _forward_phase(on, (mb, chunk, slot), any_f, recv_f, kept, sums)
+    recv_b, grads, shared_grads = _backward_phase(
+        on, (b_mb, b_chunk, b_slot), any_b, recv_b, kept, grads, shared_grads
+    )
+    return (recv_f, recv_b, kept, grads, shared_grads, sums), None
 
-        # B: the chunk's backward from its kept residuals; add its grads, send the input's.
-        b_active = b_mb != IDLE
-        b_mb, b_chunk, b_slot = (jnp.maximum(x, 0) for x in (b_mb, b_chunk, b_slot))
-        keep = lambda grad: jnp.where(b_active, grad, 0).astype(jnp.float32)
 
-        def backward(grads, shared_grads):
-            d_layers, d_shared, d_x = self.chunk_backward(
-                b_chunk, b_mb, _pick(kept, b_slot), recv_b
-            )
-            grads = jax.tree.map(lambda acc, d: acc.at[b_chunk].add(keep(d)), grads, d_layers)
-            shared_grads = jax.tree.map(lambda acc, d: acc + keep(d), shared_grads, d_shared)
-            d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
-            return g.pin(d_x), *g.pin_grads(grads, shared_grads)
+def _forward_phase(on: _OnStage, work, any_f, recv_f, kept, sums):
+    """F: run the chunk, keep its residuals in the slot, send the output on. `work`: the
+    (microbatch, chunk, slot) of this stage's F, microbatch IDLE for none."""
+    g, p = on.program, on.program.schedule.stages
+    mb, chunk, slot = work
+    active = mb != IDLE
+    mb, chunk, slot = (jnp.maximum(x, 0) for x in (mb, chunk, slot))
+    idle = lambda: (g.h_zeros(), _zeros(on.kept), _zeros(g.values_shape))
+    run = lambda: on.chunk_forward(chunk, mb, recv_f)
+    out, saved, values = g.maybe(active, run, idle, anywhere=any_f)
+    kept = jax.tree.map(
+        lambda buf, x: buf.at[slot].set(jnp.where(active, x, buf[slot])), kept, saved
+    )
+    sums = jax.tree.map(lambda acc, x: acc + jnp.where(active, x, 0), sums, values)
+    recv_f = g.pin(jax.lax.ppermute(out, PIPELINE, [(i, (i + 1) % p) for i in range(p)]))
+    return recv_f, kept, sums
 
-        def no_backward(grads, shared_grads):
-            return g.h_zeros(), *g.pin_grads(grads, shared_grads)
 
-        d_x, grads, shared_grads = g.maybe(
-            b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
-        )
-        recv_b = g.pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))
-        return (recv_f, recv_b, kept, grads, shared_grads, sums), None
+def _backward_phase(on: _OnStage, work, any_b, recv_b, kept, grads, shared_grads):
+    """B: the chunk's backward from its kept residuals; add its grads, send the input's.
+    `work`: the (microbatch, chunk, slot) of this stage's B, microbatch IDLE for none."""
+    g, p = on.program, on.program.schedule.stages
+    b_mb, b_chunk, b_slot = work
+    b_active = b_mb != IDLE
+    b_mb, b_chunk, b_slot = (jnp.maximum(x, 0) for x in (b_mb, b_chunk, b_slot))
+    keep = lambda grad: jnp.where(b_active, grad, 0).astype(jnp.float32)
+
+    def backward(grads, shared_grads):
+        d_layers, d_shared, d_x = on.chunk_backward(b_chunk, b_mb, _pick(kept, b_slot), recv_b)
+        grads = jax.tree.map(lambda acc, d: acc.at[b_chunk].add(keep(d)), grads, d_layers)
+        shared_grads = jax.tree.map(lambda acc, d: acc + keep(d), shared_grads, d_shared)
+        d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
+        return g.pin(d_x), *g.pin_grads(grads, shared_grads)
+
+    def no_backward(grads, shared_grads):
+        return g.h_zeros(), *g.pin_grads(grads, shared_grads)
+
+    d_x, grads, shared_grads = g.maybe(
+        b_active, backward, no_backward, grads, shared_grads, anywhere=any_b
+    )
+    recv_b = g.pin(jax.lax.ppermute(d_x, PIPELINE, [(i, (i - 1) % p) for i in range(p)]))
+    return recv_b, grads, shared_grads
