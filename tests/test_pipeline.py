@@ -366,7 +366,7 @@ def test_attention_in_a_stage_runs_on_each_devices_shard():
 
     def stage(q, k, v):
         return per_device_attention(
-            q, k, v, mesh, spec, spec, scale=None, causal=True, implementation="xla"
+            q, k, v, mesh, spec, scale=None, causal=True, implementation="xla"
         )
 
     in_stage = jax.shard_map(

@@ -162,10 +162,11 @@ def test_pipeline_stages_call_cudnn_attention_beside_split_axes():
     # A stage's region is manual over `pipeline` only; its attention runs in a region manual
     # over data and tensor too (per_device_attention), where cuDNN's call needs no partitioner.
     p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
-    layout = plan.Layout(2, 2, 2, 1, 1, "full", 4, "1f1b", attention="cudnn")
-    got = plan.compile_layout(p, layout, hosts=1)
-    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
-    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
+    for data, tensor in ((4, 1), (1, 4)):
+        layout = plan.Layout(data, tensor, 2, 1, 1, "full", 4, "1f1b", attention="cudnn")
+        got = plan.compile_layout(p, layout, hosts=1)
+        assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
+        assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
 
 
 def test_a_long_sequence_rings_beyond_a_host():

@@ -110,6 +110,34 @@ def _split_kv_heads_like_queries(k_BTKH, v_BTKH, groups: int):
     return constrain(k_BTKH, kv_axes), constrain(v_BTKH, kv_axes)
 
 
+def _whole_sequence_attention(
+    q_BTNH, k_BTNH, v_BTNH, mesh, mask_BTS, bias_NTS, *, scale, causal, implementation
+):
+    """Attention with the whole sequence on each device. In a pipeline stage beside other split
+    axes (a region manual over `pipeline` only), cuDNN's call cannot be partitioned: each
+    device then calls it on its own rows and heads (`per_device_attention`)."""
+    region = jax.sharding.get_abstract_mesh()
+    auto = [n for a, n in region.shape.items() if a not in region.manual_axes]
+    in_a_stage = mesh is not None and bool(region.manual_axes) and any(n > 1 for n in auto)
+    traced = traced_attention(implementation)
+    if in_a_stage and implementation == "cudnn" and mask_BTS is None and bias_NTS is None:
+        spec = sharding.active_spec(("batch", "length", "heads", "head_dim"))
+        return per_device_attention(
+            q_BTNH, k_BTNH, v_BTNH, mesh, spec, scale=scale, causal=causal, implementation=traced
+        )
+    mask = None if mask_BTS is None else mask_BTS[:, None]  # (B, 1, T, S).
+    return jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BTNH,
+        v_BTNH,
+        bias=bias_NTS,
+        mask=mask,
+        scale=scale,
+        is_causal=causal,
+        implementation=traced,
+    )
+
+
 class Attention(nn.Module):
     """Letters: B batch, T length, D model dim, N query heads, K kv heads, H head dim."""
 
@@ -188,43 +216,22 @@ class Attention(nn.Module):
                 implementation=self.implementation,
                 ring_blocks=self.ring_blocks,
             )
-        elif self._in_a_stage(mesh, mask_BTS, bias_NTS):
-            o_BTNH = per_device_attention(
+        else:
+            o_BTNH = _whole_sequence_attention(
                 q_BTNH,
                 k_BTKH,
                 v_BTKH,
                 mesh,
-                sharding.active_spec(("batch", "length", "heads", "head_dim")),
-                sharding.active_spec(kv_axes),
+                mask_BTS,
+                bias_NTS,
                 scale=self.scale,
                 causal=self.causal,
-                implementation=traced_attention(self.implementation),
-            )
-        else:
-            mask = None if mask_BTS is None else mask_BTS[:, None]  # (B, 1, T, S).
-            o_BTNH = jax.nn.dot_product_attention(
-                q_BTNH,
-                k_BTKH,
-                v_BTKH,
-                bias=bias_NTS,
-                mask=mask,
-                scale=self.scale,
-                is_causal=self.causal,
-                implementation=traced_attention(self.implementation),
+                implementation=self.implementation,
             )
         o_BTNH = checkpoint_name(
             constrain(o_BTNH, ("batch", "length", "heads", "head_dim")), "attn_out"
         )
         return out(o_BTNH)
-
-    def _in_a_stage(self, mesh, mask_BTS, bias_NTS) -> bool:
-        """Whether cuDNN's attention runs in a pipeline stage beside other split axes, where
-        each device must call it on its own shard (`per_device_attention`)."""
-        region = jax.sharding.get_abstract_mesh()
-        auto = [n for a, n in region.shape.items() if a not in region.manual_axes]
-        stage = mesh is not None and bool(region.manual_axes) and any(n > 1 for n in auto)
-        plain = mask_BTS is None and bias_NTS is None
-        return stage and plain and self.implementation == "cudnn"
 
     def _rotate(self, q_BTNH, k_BTKH, positions):
         """Queries and keys with the rotary embedding of `positions` (if the layer has it)."""

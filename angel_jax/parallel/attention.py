@@ -283,11 +283,12 @@ def sequence_parallel_attention(
     )(q, k, v)
 
 
-def per_device_attention(q, k, v, mesh, q_spec: P, kv_spec: P, *, scale, causal, implementation):
-    """Attention of global q (B, T, N, H) and k, v laid out by `q_spec` and `kv_spec` (the
-    length whole), each device on its own batch rows and heads. Inside a pipeline stage (a
-    region manual over `pipeline` only) cuDNN's custom partitioner cannot lay its call out over
-    the other split axes; a region manual over all of them leaves it nothing to partition."""
+def per_device_attention(q, k, v, mesh, spec: P, *, scale, causal, implementation):
+    """Attention of global q (B, T, N, H) and k, v (their heads split like q's) laid out by
+    `spec` (the length whole), each device on its own batch rows and heads. Inside a pipeline
+    stage (a region manual over `pipeline` only) cuDNN's custom partitioner cannot lay its call
+    out over the other split axes; a region manual over all of them leaves it nothing to
+    partition."""
 
     def local(q, k, v):
         return jax.nn.dot_product_attention(
@@ -297,7 +298,7 @@ def per_device_attention(q, k, v, mesh, q_spec: P, kv_spec: P, *, scale, causal,
     return jax.shard_map(
         local,
         mesh=shard_map_mesh(mesh),
-        in_specs=(q_spec, kv_spec, kv_spec),
-        out_specs=q_spec,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
         check_vma=False,
     )(q, k, v)
