@@ -1019,6 +1019,14 @@ BREAKS = [
         "    segments = [document_segments(tokens, eos_id)] if packing else []",
         ["tests/test_sft.py::test_packed_rows_number_conversations_from_the_mask_ends"],
     ),
+    (
+        "a pipeline stage's cuDNN attention is left to its partitioner",
+        "angel_jax/layers/attention.py",
+        'if in_a_stage and implementation == "cudnn" and mask_BTS',
+        'if False and implementation == "cudnn" and mask_BTS',
+        # Compiles for GPU devices: needs jax[cuda13] (BUILD.md); skipped elsewhere.
+        ["tests/test_plan.py::test_pipeline_stages_call_cudnn_attention_beside_split_axes"],
+    ),
 ]
 
 
