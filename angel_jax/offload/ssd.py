@@ -60,10 +60,9 @@ class SSDStore:
                 f"config.offload.ssd_dir={str(directory)!r}: cannot write there "
                 f"({e.strerror or e}); set it to a writable directory on a local SSD"
             ) from e
-        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="ssd")
-        self._lock = threading.Lock()  # Guards the three dicts/lists below.
+        self._queue = _KeyOrderedPool(workers)
+        self._lock = threading.Lock()  # Guards the dict and list below.
         self._meta: dict[str, _Entry] = {}  # Committed writes only.
-        self._last: dict[str, futures.Future] = {}  # Latest unfinished operation per key.
         self.pending_writes: list[futures.Future] = []  # Writes issued since the last wait().
 
     def write(self, key: str, tree) -> futures.Future:
@@ -73,7 +72,7 @@ class SSDStore:
         overlaps too. Until the future is done, do not mutate, delete or donate the leaves.
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        future = self._submit(key, self.write_file, key, leaves, treedef)
+        future = self._queue.submit(key, self.write_file, key, leaves, treedef)
         with self._lock:
             self.pending_writes.append(future)
         return future
@@ -84,7 +83,7 @@ class SSDStore:
         Sees every write of `key` issued before it; raises KeyError if there is none, or if the
         latest one failed.
         """
-        return self._submit(key, self._read, key)
+        return self._queue.submit(key, self._read, key)
 
     def wait(self) -> None:
         """Blocks until the writes issued so far are done; raises the first one's exception."""
@@ -109,20 +108,7 @@ class SSDStore:
         try:
             self.wait()
         finally:
-            self._pool.shutdown(wait=True)
-
-    def _submit(self, key: str, fn, *args) -> futures.Future:
-        with self._lock:
-            future = self._pool.submit(_after, self._last.get(key), fn, *args)
-            self._last[key] = future
-        # Drop the reference once done, else each key would pin its last read's arrays in memory.
-        future.add_done_callback(functools.partial(self._forget, key))
-        return future
-
-    def _forget(self, key: str, future: futures.Future) -> None:
-        with self._lock:
-            if self._last.get(key) is future:
-                del self._last[key]
+            self._queue.shutdown()
 
     def _stem(self, key: str) -> str:
         # Readable prefix for humans, hash so that distinct keys never share a file name.
@@ -130,27 +116,12 @@ class SSDStore:
         digest = hashlib.sha1(key.encode()).hexdigest()[:12]
         return str(self.directory / f"{safe}-{digest}")
 
-    def _disk_dtype(self, dtype: np.dtype) -> np.dtype:
-        if self.compress and dtype == np.float32:
-            return np.dtype(ml_dtypes.bfloat16)
-        return dtype
-
     def write_file(self, key: str, leaves: list, treedef) -> None:
+        """Writes `key`'s leaves and commits them; runs on a worker."""
         stem = self._stem(key)
         try:
             arrays = [np.asarray(leaf) for leaf in leaves]
-            nbytes = 0
-            for i, x in enumerate(arrays):
-                x = x.astype(self._disk_dtype(x.dtype), copy=False)
-                if x.dtype.isbuiltin == 2:
-                    # np.save writes user-defined dtypes (ml_dtypes) as void bytes: store the bits.
-                    x = x.view(f"u{x.dtype.itemsize}")
-                path = f"{stem}.{i}.npy"
-                # Write aside, then rename: a crash never leaves a truncated file under `path`.
-                with open(path + ".tmp", "wb") as f:
-                    np.save(f, x, allow_pickle=False)
-                    nbytes += f.tell()
-                os.replace(path + ".tmp", path)
+            nbytes = _save_leaves(stem, arrays, self.compress)
         except BaseException:
             with self._lock:
                 self._meta.pop(key, None)  # Its files may be half old, half new: forget them.
@@ -171,14 +142,78 @@ class SSDStore:
             entry = self._meta.get(key)
         if entry is None:
             raise KeyError(f"SSDStore has no {key!r}: never written, or its last write failed")
-        stem = self._stem(key)
-        leaves = []
-        for i, (dtype, shape) in enumerate(zip(entry.dtypes, entry.shapes, strict=True)):
-            disk = self._disk_dtype(dtype)
-            stored = np.dtype(f"u{disk.itemsize}") if disk.isbuiltin == 2 else disk
-            x = _load_npy(f"{stem}.{i}.npy", stored, shape)
-            leaves.append(x.view(disk).astype(dtype, copy=False))
+        leaves = _load_leaves(self._stem(key), entry.dtypes, entry.shapes, self.compress)
         return jax.tree_util.tree_unflatten(entry.treedef, leaves)
+
+
+class _KeyOrderedPool:
+    """A thread pool that runs each key's operations in the order they were issued, so a read
+    sees the writes of its key before it."""
+
+    def __init__(self, workers: int):
+        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="ssd")
+        self._lock = threading.Lock()  # Guards `_last`.
+        self._last: dict[str, futures.Future] = {}  # Latest unfinished operation per key.
+
+    def submit(self, key: str, fn, *args) -> futures.Future:
+        with self._lock:
+            future = self._pool.submit(_after, self._last.get(key), fn, *args)
+            self._last[key] = future
+        # Drop the reference once done, else each key would pin its last read's arrays in memory.
+        future.add_done_callback(functools.partial(self._forget, key))
+        return future
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _forget(self, key: str, future: futures.Future) -> None:
+        with self._lock:
+            if self._last.get(key) is future:
+                del self._last[key]
+
+
+def _after(previous: futures.Future | None, fn, *args):
+    """Runs `fn` once `previous` (the key's prior operation) is done, so each key sees its
+    operations in order. Cannot deadlock: the pool takes work first in, first out, so
+    `previous` was started before this and is already running on another worker."""
+    if previous is not None:
+        futures.wait([previous])
+    return fn(*args)
+
+
+def _disk_dtype(dtype: np.dtype, compress: bool) -> np.dtype:
+    """The dtype a leaf of `dtype` has on disk: bfloat16 for float32 when compressing."""
+    if compress and dtype == np.float32:
+        return np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def _save_leaves(stem: str, arrays: list[np.ndarray], compress: bool) -> int:
+    """Writes `arrays` as `{stem}.{i}.npy` files, each in its disk dtype; returns their bytes."""
+    nbytes = 0
+    for i, x in enumerate(arrays):
+        x = x.astype(_disk_dtype(x.dtype, compress), copy=False)
+        if x.dtype.isbuiltin == 2:
+            # np.save writes user-defined dtypes (ml_dtypes) as void bytes: store the bits.
+            x = x.view(f"u{x.dtype.itemsize}")
+        path = f"{stem}.{i}.npy"
+        # Write aside, then rename: a crash never leaves a truncated file under `path`.
+        with open(path + ".tmp", "wb") as f:
+            np.save(f, x, allow_pickle=False)
+            nbytes += f.tell()
+        os.replace(path + ".tmp", path)
+    return nbytes
+
+
+def _load_leaves(stem: str, dtypes, shapes, compress: bool) -> list[np.ndarray]:
+    """The leaves `_save_leaves` wrote under `stem`, back in their `dtypes` and `shapes`."""
+    leaves = []
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        disk = _disk_dtype(dtype, compress)
+        stored = np.dtype(f"u{disk.itemsize}") if disk.isbuiltin == 2 else disk
+        x = _load_npy(f"{stem}.{i}.npy", stored, shape)
+        leaves.append(x.view(disk).astype(dtype, copy=False))
+    return leaves
 
 
 def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -195,15 +230,6 @@ def _load_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     if x.size != count:
         raise OSError(f"{path}: {x.size} values, wrote {count}; changed on disk?")
     return x.reshape(shape)
-
-
-def _after(previous: futures.Future | None, fn, *args):
-    """Runs `fn` once `previous` (the key's prior operation) is done, so each key sees its
-    operations in order. Cannot deadlock: the pool takes work first in, first out, so
-    `previous` was started before this and is already running on another worker."""
-    if previous is not None:
-        futures.wait([previous])
-    return fn(*args)
 
 
 class SSDTier:

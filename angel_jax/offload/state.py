@@ -109,13 +109,17 @@ OUTSIDE = (SSD, CPU)  # The tiers that hold their chunks themselves, not in the 
 
 class Outside:
     """The tiers that hold their chunks outside the state tree (SSD, CPU) as one: their
-    chunks in order, each read and written through its own tier."""
+    chunks in order, each read and written through its own tier, and moved between those
+    tiers and the places (None) they leave in the state tree, which checkpoints fill."""
 
-    def __init__(self, *tiers):
+    def __init__(self, stacked, split_masters: bool, *tiers):
         self.tiers = [t for t in tiers if t]
         self.chunks = [c for t in self.tiers for c in t.chunks]
         self.by_key = {k: c for t in self.tiers for k, c in t.by_key.items()}
         self._tier = {c.key: t for t in self.tiers for c in t.chunks}
+        self._treedef = jax.tree.structure(stacked)
+        # Checkpoints then hold every master as its low half, the host cores' too.
+        self.split_masters = split_masters
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -129,6 +133,77 @@ class Outside:
     def wait(self) -> None:
         for t in self.tiers:
             t.wait()
+
+    def fill(self, tree, values: list):
+        """A masters- or optimizer-state-shaped `tree` (per layer) with each chunk's None
+        replaced by its item of `values` (one per chunk, in order)."""
+        flat = self._treedef.flatten_up_to(tree)
+        for chunk, value in zip(self.chunks, values, strict=True):
+            if chunk.layer is None:
+                flat[chunk.weight] = value
+            else:
+                layers = list(flat[chunk.weight])
+                layers[chunk.layer] = value
+                flat[chunk.weight] = tuple(layers)
+        return self._treedef.unflatten(flat)
+
+    def take(self, tree):
+        """(`tree` with None where the chunks are, their values in chunk order)."""
+        flat = self._treedef.flatten_up_to(tree)
+        values = []
+        for chunk in self.chunks:
+            if chunk.layer is None:
+                values.append(flat[chunk.weight])
+                flat[chunk.weight] = None
+            else:
+                layers = list(flat[chunk.weight])
+                values.append(layers[chunk.layer])
+                layers[chunk.layer] = None
+                flat[chunk.weight] = tuple(layers)
+        return self._treedef.unflatten(flat), values
+
+    def filled(self, shardings, field: str):
+        """Masters' or optimizer state's `shardings` with the chunks' device shardings (their
+        `field`) where the state holds None."""
+        if not self:
+            return shardings
+        return self.fill(shardings, [getattr(c, field) for c in self.chunks])
+
+    def checkpointed(self, state):
+        """`state` with the chunks read in as numpy arrays, every split master as its low half."""
+        values = self.read_all()
+        masters = [
+            split_numpy(m) if self.split_masters and c.tier == CPU else m
+            for c, (m, _) in zip(self.chunks, values, strict=True)
+        ]
+        return state.replace(
+            params=self.fill(state.params, masters),
+            opt_state=self.fill(state.opt_state, [s for _, s in values]),
+        )
+
+    def checkpoint_target(self, state):
+        """The abstract `state` with the chunks in as `checkpointed` gives them: empty numpy."""
+        empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
+        low = lambda c: np.empty(c.master.shape, LOW) if self.split_masters else empty(c.master)
+        return state.replace(
+            params=self.fill(state.params, [low(c) for c in self.chunks]),
+            opt_state=self.fill(state.opt_state, [empty(c.state) for c in self.chunks]),
+        )
+
+    def restore(self, state):
+        """`state` without the chunks, which go back in their tiers (on disk, in the CPU tier),
+        the host cores' split masters joined whole with their compute copy's high halves."""
+        masters, master_values = self.take(state.params)
+        opt, state_values = self.take(state.opt_state)
+        computes = self._treedef.flatten_up_to(state.compute_params)
+        compute = functools.cache(lambda w: np.asarray(jax.device_get(computes[w])))
+        for chunk, m, s in zip(self.chunks, master_values, state_values, strict=True):
+            if self.split_masters and chunk.tier == CPU:  # The host cores' go whole.
+                high = compute(chunk.weight)
+                m = join_numpy(m, high if chunk.layer is None else high[chunk.layer])
+            self.put(chunk, m, s)
+        self.wait()
+        return state.replace(params=masters, opt_state=opt)
 
 
 def _abstract_on_device(abstract_tree):
@@ -166,7 +241,7 @@ class OffloadedState:
 
     @functools.cached_property
     def outside(self) -> Outside:
-        return Outside(self.ssd, self.cpu)
+        return Outside(self.stacked, self.split_masters, self.ssd, self.cpu)
 
     def init(self, init_params, rng) -> tuple:
         """(step, params, opt_state, compute_params) of a fresh state, with the params from
@@ -178,66 +253,7 @@ class OffloadedState:
         most two layers' writes pending, so neither memory holds the disk's share (building a
         whole weight's state at once and queueing every SSD write took the 15B model to 126 GiB
         on the device and 159 GiB of host memory, against a plan of 104 and 85)."""
-        master_shardings = self._filled(self.state_sharding.params, "master_sharding")
-        opt_shardings = self._filled(self.state_sharding.opt_state, "state_sharding")
-        # Same values as the on-device init gives; on the device in the offloaded masters' layout.
-        master_layout = jax.tree.map(_stacked_sharding, self.stacked, master_shardings)
-        params = jax.jit(init_params, out_shardings=master_layout)(rng)
-        pending = collections.deque()  # SSD writes not known to be done, a pair per layer.
-
-        low_half = jax.jit(lambda m: split(m, self.dtype)[0])
-
-        def place(key, layer, master, state, shardings):
-            """(master, state), made on the device, where they stay (`shardings`): None, None
-            for a chunk that went to disk or to the host's cores. Split masters keep their low
-            halves there, but the host cores' chunks."""
-            chunk = self.outside.by_key.get((key, layer)) if self.outside else None
-            if self.split_masters and not (chunk and chunk.tier == CPU):
-                master = low_half(master)
-            master, state = jax.device_put((master, state), shardings)
-            if chunk is None:
-                return master, state
-            pending.append(self.outside.put(chunk, master, state))
-            while len(pending) > 2:
-                for write in pending.popleft():
-                    write.result()
-            return None, None
-
-        def to_host(path, param, is_stacked, master_sharding, opt_sharding, compute_sharding):
-            key, init = jax.tree_util.keystr(path), self.optimizer.init_leaf
-            compute = jax.jit(self._compute, out_shardings=compute_sharding)(param)
-            if is_stacked:
-                one_layer = jax.jit(
-                    lambda p, i: (
-                        x := jax.lax.dynamic_index_in_dim(p, i, keepdims=False),
-                        init(path, x),
-                    )
-                )
-                layers = [
-                    place(key, i, *one_layer(param, i), (master_sharding[i], opt_sharding[i]))
-                    for i in range(param.shape[0])
-                ]
-                master, state = tuple(m for m, _ in layers), tuple(s for _, s in layers)
-            else:
-                master, state = jax.jit(lambda p: (p, init(path, p)))(param)
-                master, state = place(key, None, master, state, (master_sharding, opt_sharding))
-            param.delete()  # Free the device copy now, not when the whole tree is done.
-            return master, state, compute
-
-        flat = jax.tree_util.tree_map_with_path(
-            to_host,
-            params,
-            self.stacked,
-            master_shardings,
-            opt_shardings,
-            self.state_sharding.compute_params,
-        )
-        part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
-        if self.outside:
-            self.outside.wait()
-        # The step as the jitted step returns it, so its first call compiles what later use.
-        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_sharding.step)
-        return step, part(0), part(1), part(2)
+        return _LayerwiseInit(self).build(init_params, rng)
 
     def params_numpy(self, state):
         """The fp32 masters of `state` as numpy arrays in the model's layout: the chunks held
@@ -245,7 +261,7 @@ class OffloadedState:
         stacked again."""
         params = jax.device_get(state.params)
         if self.outside:  # Fill in the chunks held outside.
-            params = self._with_outside(params, [m for m, _ in self.outside.read_all()])
+            params = self.outside.fill(params, [m for m, _ in self.outside.read_all()])
         if self.split_masters:
             whole = lambda low, compute: low if low.dtype != LOW else join_numpy(low, compute)
             params = jax.tree.map(
@@ -264,17 +280,7 @@ class OffloadedState:
         high half as well): a run that places its chunks in other tiers restores it."""
         if not self.split_masters:
             state = state.replace(compute_params=None)
-        if not self.outside:
-            return state
-        values = self.outside.read_all()
-        masters = [
-            split_numpy(m) if self.split_masters and c.tier == CPU else m
-            for c, (m, _) in zip(self.outside.chunks, values, strict=True)
-        ]
-        return state.replace(
-            params=self._with_outside(state.params, masters),
-            opt_state=self._with_outside(state.opt_state, [s for _, s in values]),
-        )
+        return self.outside.checkpointed(state) if self.outside else state
 
     def checkpoint_target(self, abstract_state):
         """The abstract `checkpointed` state to restore into: the chunks held outside as
@@ -282,16 +288,7 @@ class OffloadedState:
         state = abstract_state
         if not self.split_masters:
             state = state.replace(compute_params=None)
-        if not self.outside:
-            return state
-        empty = lambda tree: jax.tree.map(lambda x: np.empty(x.shape, x.dtype), tree)
-        low = lambda c: np.empty(c.master.shape, LOW) if self.split_masters else empty(c.master)
-        return state.replace(
-            params=self._with_outside(state.params, [low(c) for c in self.outside.chunks]),
-            opt_state=self._with_outside(
-                state.opt_state, [empty(c.state) for c in self.outside.chunks]
-            ),
-        )
+        return self.outside.checkpoint_target(state) if self.outside else state
 
     def from_checkpointed(self, state):
         """Re-derives what `checkpointed` left out, and puts the chunks held outside back in
@@ -299,19 +296,7 @@ class OffloadedState:
         if not self.split_masters:
             derive = jax.jit(self._compute_params, out_shardings=self.state_sharding.compute_params)
             state = state.replace(compute_params=derive(state.params))
-        if self.outside:
-            masters, master_values = self._without_outside(state.params)
-            opt, state_values = self._without_outside(state.opt_state)
-            computes = jax.tree.structure(self.stacked).flatten_up_to(state.compute_params)
-            compute = functools.cache(lambda w: np.asarray(jax.device_get(computes[w])))
-            for chunk, m, s in zip(self.outside.chunks, master_values, state_values, strict=True):
-                if self.split_masters and chunk.tier == CPU:  # The host cores' go whole.
-                    high = compute(chunk.weight)
-                    m = join_numpy(m, high if chunk.layer is None else high[chunk.layer])
-                self.outside.put(chunk, m, s)
-            self.outside.wait()
-            state = state.replace(params=masters, opt_state=opt)
-        return state
+        return self.outside.restore(state) if self.outside else state
 
     def _compute(self, master):
         """The compute copy of a float32 master, as the update makes it (`stream.compute_copy`)."""
@@ -320,7 +305,7 @@ class OffloadedState:
     def _compute_params(self, masters):
         """The compute copy of whole `masters` (the chunks held outside filled in), a stacked
         weight's layers stacked again; inside jit."""
-        shardings = self._filled(self.state_sharding.params, "master_sharding")
+        shardings = self.outside.filled(self.state_sharding.params, "master_sharding")
         on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
         masters = jax.device_put(masters, on_device)
         return jax.tree.map(
@@ -331,39 +316,75 @@ class OffloadedState:
             masters,
         )
 
-    def _filled(self, shardings, field: str):
-        """Masters' or optimizer state's `shardings` with the outside chunks' device shardings
-        (their `field`) where the state holds None."""
-        if not self.outside:
-            return shardings
-        return self._with_outside(shardings, [getattr(c, field) for c in self.outside.chunks])
 
-    def _with_outside(self, tree, values: list):
-        """A masters- or optimizer-state-shaped `tree` (per layer) with each outside chunk's None
-        replaced by its item of `values` (one per chunk, in order)."""
-        treedef = jax.tree.structure(self.stacked)
-        flat = treedef.flatten_up_to(tree)
-        for chunk, value in zip(self.outside.chunks, values, strict=True):
-            if chunk.layer is None:
-                flat[chunk.weight] = value
-            else:
-                layers = list(flat[chunk.weight])
-                layers[chunk.layer] = value
-                flat[chunk.weight] = tuple(layers)
-        return treedef.unflatten(flat)
+class _LayerwiseInit:
+    """Builds `OffloadedState.init`'s fresh state a weight, and a stacked weight a layer, at a
+    time, with at most two layers' SSD writes pending (that method says why)."""
 
-    def _without_outside(self, tree):
-        """(`tree` with None where the outside chunks are, their values in chunk order)."""
-        treedef = jax.tree.structure(self.stacked)
-        flat = treedef.flatten_up_to(tree)
-        values = []
-        for chunk in self.outside.chunks:
-            if chunk.layer is None:
-                values.append(flat[chunk.weight])
-                flat[chunk.weight] = None
-            else:
-                layers = list(flat[chunk.weight])
-                values.append(layers[chunk.layer])
-                layers[chunk.layer] = None
-                flat[chunk.weight] = tuple(layers)
-        return treedef.unflatten(flat), values
+    def __init__(self, offloaded: OffloadedState):
+        self.offloaded = offloaded
+        self.outside = offloaded.outside
+        self.pending = collections.deque()  # SSD writes not known to be done, a pair per layer.
+        self.low_half = jax.jit(lambda m: split(m, offloaded.dtype)[0])
+
+    def build(self, init_params, rng) -> tuple:
+        """(step, params, opt_state, compute_params), with the params from `init_params(rng)`."""
+        offloaded = self.offloaded
+        state_sharding = offloaded.state_sharding
+        master_shardings = self.outside.filled(state_sharding.params, "master_sharding")
+        opt_shardings = self.outside.filled(state_sharding.opt_state, "state_sharding")
+        # Same values as the on-device init gives; on the device in the offloaded masters' layout.
+        master_layout = jax.tree.map(_stacked_sharding, offloaded.stacked, master_shardings)
+        params = jax.jit(init_params, out_shardings=master_layout)(rng)
+        flat = jax.tree_util.tree_map_with_path(
+            self.weight,
+            params,
+            offloaded.stacked,
+            master_shardings,
+            opt_shardings,
+            state_sharding.compute_params,
+        )
+        part = lambda i: jax.tree.map(lambda _, o: o[i], params, flat)
+        if self.outside:
+            self.outside.wait()
+        # The step as the jitted step returns it, so its first call compiles what later use.
+        step = jax.device_put(jnp.zeros((), jnp.int32), state_sharding.step)
+        return step, part(0), part(1), part(2)
+
+    def weight(self, path, param, is_stacked, master_sharding, opt_sharding, compute_sharding):
+        """(master, state, compute) of one weight, placed where they stay; frees `param`."""
+        key, init = jax.tree_util.keystr(path), self.offloaded.optimizer.init_leaf
+        compute = jax.jit(self.offloaded._compute, out_shardings=compute_sharding)(param)
+        if is_stacked:
+            one_layer = jax.jit(
+                lambda p, i: (
+                    x := jax.lax.dynamic_index_in_dim(p, i, keepdims=False),
+                    init(path, x),
+                )
+            )
+            layers = [
+                self.place(key, i, *one_layer(param, i), (master_sharding[i], opt_sharding[i]))
+                for i in range(param.shape[0])
+            ]
+            master, state = tuple(m for m, _ in layers), tuple(s for _, s in layers)
+        else:
+            master, state = jax.jit(lambda p: (p, init(path, p)))(param)
+            master, state = self.place(key, None, master, state, (master_sharding, opt_sharding))
+        param.delete()  # Free the device copy now, not when the whole tree is done.
+        return master, state, compute
+
+    def place(self, key, layer, master, state, shardings):
+        """(master, state), made on the device, where they stay (`shardings`): None, None
+        for a chunk that went to disk or to the host's cores. Split masters keep their low
+        halves there, but the host cores' chunks."""
+        chunk = self.outside.by_key.get((key, layer)) if self.outside else None
+        if self.offloaded.split_masters and not (chunk and chunk.tier == CPU):
+            master = self.low_half(master)
+        master, state = jax.device_put((master, state), shardings)
+        if chunk is None:
+            return master, state
+        self.pending.append(self.outside.put(chunk, master, state))
+        while len(self.pending) > 2:
+            for write in self.pending.popleft():
+                write.result()
+        return None, None
