@@ -51,28 +51,146 @@ HOST_STATES["params"] = HOST_STATES["optimizer"] + (
 )
 
 
-class _Placer:
-    """What `make_plan`'s candidates share: the abstract states' bytes, the activations of each
-    remat policy, the update's chunks; `placed` makes one candidate."""
+def _splits_masters(inp: PlanInput, name: str) -> bool:
+    """Whether offload policy `name`'s tiers hold the masters' low halves
+    (config.offload.split_masters)."""
+    split = inp.offload.split_masters and splits_masters(np.dtype(inp.model.dtype))
+    return split and name == "optimizer"  # The compute copy on the device.
+
+
+class _UpdateChunks:
+    """The update's chunks (a trained weight, or a layer's slice of a stacked one: its master
+    and optimizer state) and where a candidate puts them: beside the step, in the device's
+    spare room, on SSD, in the host cores' share, in the pinned-host pool."""
 
     def __init__(
-        self, inp: PlanInput, params, grads, offloaded_masters, opt, stacked, extra, pipeline
+        self,
+        inp: PlanInput,
+        trained_params,
+        grads,
+        masters,
+        opt,
+        trained_stacked,
+        *,
+        pipelined: bool,
     ):
-        self.inp, self.pipeline = inp, pipeline
-        self.params, self.grads, self.masters, self.opt, self.stacked = (
-            params,
-            grads,
-            offloaded_masters,
-            opt,
-            stacked,
+        o = inp.offload
+        self.inp, self.pipelined = inp, pipelined
+        self.masters, self.opt, self.trained_stacked = masters, opt, trained_stacked
+        # In the update's order; with the masters split (`Plan.split_masters`), their tier holds
+        # the low half.
+        chunk_lists = {False: update_chunks(masters, opt, trained_stacked)}
+        chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
+        self.by_split = chunk_lists
+        disk_bytes = on_disk_bytes if o.ssd_compress else local_bytes
+        on_disk = update_chunks(masters, opt, trained_stacked, disk_bytes)
+        self.state_on_disk = {key: s for key, _, s in on_disk}
+        self.in_flight, self.in_step = o.chunks_in_flight, o.update_in_step
+        self.speculative = self.in_step and o.speculative_update
+        # A speculating step keeps a resident chunk's old copy too.
+        self.kept = 2 if self.speculative else 1
+        # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
+        self.weight_bytes = weight_sizes(
+            trained_params, grads, trained_stacked, np.dtype(inp.model.dtype)
         )
-        o, compute_dtype = inp.offload, np.dtype(inp.model.dtype)
-        self.compute_dtype = compute_dtype
-        # The trained weights (LoRA: the adapters), which alone have grads, masters to update
-        # and optimizer state: `grads`, `offloaded_masters` and `opt` are theirs.
-        trained = lora.adapters if inp.model.lora_rank else lambda tree: tree
-        self.trained_stacked = trained(stacked)
-        self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+
+    def step_chunks(self, plan: Plan) -> Plan:
+        """`plan` with the update's groups beside the step or between the next step's
+        microbatches (`with_step_chunks`) as its chunks now lie."""
+        between = may_update_between_microbatches(self.inp, plan, self.pipelined)
+        slots = self.inp.train.microbatches - 1 if between else 0
+        chunks = self.by_split[plan.split_masters]
+        return with_step_chunks(
+            plan, chunks, self.in_flight, self.in_step, self.speculative, slots, self.weight_bytes
+        )
+
+    def filled(self, plan: Plan) -> Plan:
+        """`plan` with the device's spare room filled with update chunks, in the update's
+        order; once more when the groups beside the step, as chunks became resident, shrank."""
+        chunks = self.by_split[plan.split_masters]
+        kept = self.kept
+        for _ in range(2):
+            spare = USABLE * self.inp.budget[DEVICE] - plan.tier_bytes(DEVICE)
+            resident = set(plan.resident)
+            for key, master, state in chunks:
+                if key not in resident and kept * (master + state) <= spare:
+                    spare -= kept * (master + state)
+                    resident.add(key)
+            filled = self.step_chunks(with_resident(plan, resident, chunks))
+            if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
+                break  # The second fill would push the groups beside the step out.
+            plan = filled
+        return plan
+
+    def on_ssd(self, plan: Plan) -> Plan:
+        """`plan` with what host memory cannot hold on disk, from the last chunks of the
+        update back."""
+        chunks = self.by_split[plan.split_masters]
+        state_bytes, placement = plan.state_bytes, plan.placement
+        over = plan.tier_bytes(HOST) - USABLE * self.inp.budget[HOST]
+        on_ssd, on_disk = set(), 0
+        for key, master, state in reversed(chunks):
+            if over <= 0:
+                break
+            if key not in plan.resident:
+                on_ssd.add(key)
+                over -= master + state
+                state_bytes["master params"] -= master
+                state_bytes["optimizer state"] -= state
+                on_disk += master + self.state_on_disk[key]
+        state_bytes["SSD chunks"] = on_disk
+        placement["SSD chunks"] = SSD
+        # SSD groups go alone: the groups beside the step as they will be.
+        return self.step_chunks(dataclasses.replace(plan, on_ssd=frozenset(on_ssd)))
+
+    def with_cpu_share(self, plan: Plan, measure_rates) -> Plan:
+        """`plan` with the host cores' share of its host-memory chunks
+        (config.offload.cpu_update; -1: from `measure_rates()`)."""
+        inp = self.inp
+        chunks = self.by_split[plan.split_masters]
+        host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
+        share, note = inp.offload.cpu_update, ""
+        if share < 0 and inp.processes > 1:
+            share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
+        elif share < 0:
+            share, note = hybrid_share(
+                measure_rates(), host, np.dtype(inp.model.dtype).itemsize, plan.split_masters
+            )
+        plan = self.step_chunks(with_cpu_update(plan, share, host, plan.split_masters))
+        if note:
+            plan = dataclasses.replace(
+                plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
+            )
+        return plan
+
+    def pool(self, plan: Plan) -> tiers.PoolArrays:
+        """What `plan` allocates in XLA's pinned-host pool (`pool_arrays`)."""
+        chunks = self.by_split[plan.split_masters]
+        return pool_arrays(self.inp, plan, chunks, self.masters, self.opt, self.trained_stacked)
+
+
+class _StateSizes:
+    """Each state's bytes per device under an offload policy and a remat policy, from the
+    abstract states and each remat policy's activations: what every candidate starts from."""
+
+    def __init__(
+        self,
+        inp: PlanInput,
+        params,
+        grads,
+        masters,
+        opt,
+        stacked,
+        trained_stacked,
+        *,
+        extra,
+        pipeline,
+        chunks: _UpdateChunks,
+    ):
+        self.inp, self.chunks = inp, chunks
+        self.params, self.grads, self.masters, self.opt = params, grads, masters, opt
+        self.stacked, self.trained_stacked = stacked, trained_stacked
+        self.compute_dtype = np.dtype(inp.model.dtype)
         self.extra = extra or {}
         if pipeline is not None:
             self.remats = (pipeline.remat,)
@@ -84,38 +202,8 @@ class _Placer:
             self.remats = activations.remat_choices(inp)
             self.activations = {r: activations.activation_bytes(inp, r) for r in self.remats}
         self.accumulating = inp.train.microbatches > 1
-        # One backward pass through layers not scanned (`Plan.grads_after_activations`).
-        self.unrolled = not (inp.model.scan_layers or self.accumulating or pipeline is not None)
-        # In the update's order; with the masters split (`Plan.split_masters`), their tier holds
-        # the low half.
-        self.split = o.split_masters and splits_masters(compute_dtype)
-        chunk_lists = {False: update_chunks(offloaded_masters, opt, self.trained_stacked)}
-        chunk_lists[True] = [(key, m // 2, s) for key, m, s in chunk_lists[False]]
-        self.chunk_lists = chunk_lists
-        disk_bytes = on_disk_bytes if o.ssd_compress else local_bytes
-        on_disk = update_chunks(offloaded_masters, opt, self.trained_stacked, disk_bytes)
-        self.state_on_disk = {key: s for key, _, s in on_disk}
-        self.in_flight, self.in_step = o.chunks_in_flight, o.update_in_step
-        self.speculative = self.in_step and o.speculative_update
-        # A speculating step keeps a resident chunk's old copy too.
-        self.kept = 2 if self.speculative else 1
-        # A delayed update may run between the next step's microbatches (`Plan.slot_bytes`).
-        self.weight_bytes = weight_sizes(
-            trained(params), grads, self.trained_stacked, compute_dtype
-        )
 
-    def split_for(self, name: str) -> bool:
-        return self.split and name == "optimizer"  # The compute copy on the device.
-
-    def step_chunks(self, plan: Plan) -> Plan:
-        between = may_update_between_microbatches(self.inp, plan, self.pipeline is not None)
-        slots = self.inp.train.microbatches - 1 if between else 0
-        chunks = self.chunk_lists[plan.split_masters]
-        return with_step_chunks(
-            plan, chunks, self.in_flight, self.in_step, self.speculative, slots, self.weight_bytes
-        )
-
-    def sizes(self, name: str, remat: str) -> dict[str, int]:
+    def for_policy(self, name: str, remat: str) -> dict[str, int]:
         """State -> bytes per device under offload policy `name` and `remat`."""
         params, grads, accumulating = self.params, self.grads, self.accumulating
         saved = dict(self.activations[remat])
@@ -134,16 +222,18 @@ class _Placer:
         layer_params, other_params = _split_bytes(params, self.stacked, self.compute_dtype)
         f32_grads = _split_bytes(grads, self.trained_stacked)
         layer_grads, other_grads = (b if accumulating else int(b * grad_bytes) for b in f32_grads)
+        split = _splits_masters(self.inp, name)
         out = {
             "compute params": layer_params + other_params,
             "grads": layer_grads + other_grads,
-            "master params": local_bytes(self.masters) // (2 if self.split_for(name) else 1),
+            "master params": local_bytes(self.masters) // (2 if split else 1),
             "optimizer state": local_bytes(self.opt),
             **saved,
         }
-        if not self.in_step:  # Else the update runs inside the step: "chunks in the step".
-            chunks = self.chunk_lists[self.split_for(name)]
-            out["update chunks"] = in_flight_bytes(chunks, self.in_flight)
+        if not self.chunks.in_step:  # Else the update runs inside the step: "chunks in the step".
+            out["update chunks"] = in_flight_bytes(
+                self.chunks.by_split[split], self.chunks.in_flight
+            )
         if accumulating:
             out["microbatch grads"] = int(sum(f32_grads) * grad_bytes)
         if name == "params":
@@ -176,11 +266,50 @@ class _Placer:
             "layers in flight": 2 * 3 * layer_params * gathered // max(inp.model.num_layers, 1),
         }
 
+
+class _Placer:
+    """Makes `make_plan`'s candidates, one per offload policy, remat policy and layer inputs'
+    tier, from the states' sizes (`_StateSizes`) and the update's chunks (`_UpdateChunks`)."""
+
+    def __init__(
+        self, inp: PlanInput, params, grads, offloaded_masters, opt, stacked, extra, pipeline
+    ):
+        self.inp = inp
+        # The trained weights (LoRA: the adapters), which alone have grads, masters to update
+        # and optimizer state: `grads`, `offloaded_masters` and `opt` are theirs.
+        trained = lora.adapters if inp.model.lora_rank else lambda tree: tree
+        trained_stacked = trained(stacked)
+        self.chunks = _UpdateChunks(
+            inp,
+            trained(params),
+            grads,
+            offloaded_masters,
+            opt,
+            trained_stacked,
+            pipelined=pipeline is not None,
+        )
+        self.sizes = _StateSizes(
+            inp,
+            params,
+            grads,
+            offloaded_masters,
+            opt,
+            stacked,
+            trained_stacked,
+            extra=extra,
+            pipeline=pipeline,
+            chunks=self.chunks,
+        )
+        self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        # One backward pass through layers not scanned (`Plan.grads_after_activations`).
+        accumulating = inp.train.microbatches > 1
+        self.unrolled = not (inp.model.scan_layers or accumulating or pipeline is not None)
+
     def placed(self, name: str, remat: str, inputs: str) -> Plan:
         """The candidate of offload policy `name`, `remat` and the layer inputs' tier
         `inputs`; under policy auto with the device's spare room filled with update chunks,
         and what host memory cannot hold on SSD."""
-        state_bytes = self.sizes(name, remat)
+        state_bytes = self.sizes.for_policy(name, remat)
         on_host = HOST_STATES[name] + (("layer inputs",) if inputs == HOST else ())
         placement = {s: HOST if s in on_host else DEVICE for s in state_bytes}
         plan = Plan(
@@ -191,81 +320,25 @@ class _Placer:
             self.inp.budget,
             self.num_params,
             self.inp.devices,
-            split_masters=self.split_for(name),
+            split_masters=_splits_masters(self.inp, name),
             grads_after_activations=name == "none" and self.unrolled,
         )
         # With every chunk in host memory: the room the groups beside the step may take.
-        plan = self.step_chunks(plan)
+        plan = self.chunks.step_chunks(plan)
         if self.inp.offload.policy != "auto" or name == "none":
             return plan
-        plan = self._filled(plan)
+        plan = self.chunks.filled(plan)
         if SSD not in self.inp.budget or name != "optimizer":  # Layer streaming keeps no SSD tier.
             return plan
-        return self._on_ssd(plan)
-
-    def _filled(self, plan: Plan) -> Plan:
-        """`plan` with the device's spare room filled with update chunks, in the update's
-        order; once more when the groups beside the step, as chunks became resident, shrank."""
-        chunks = self.chunk_lists[plan.split_masters]
-        kept = self.kept
-        for _ in range(2):
-            spare = USABLE * self.inp.budget[DEVICE] - plan.tier_bytes(DEVICE)
-            resident = set(plan.resident)
-            for key, master, state in chunks:
-                if key not in resident and kept * (master + state) <= spare:
-                    spare -= kept * (master + state)
-                    resident.add(key)
-            filled = self.step_chunks(with_resident(plan, resident, chunks))
-            if plan.resident and plan.copies_beside_step and not filled.copies_beside_step:
-                break  # The second fill would push the groups beside the step out.
-            plan = filled
-        return plan
-
-    def _on_ssd(self, plan: Plan) -> Plan:
-        """`plan` with what host memory cannot hold on disk, from the last chunks of the
-        update back."""
-        chunks = self.chunk_lists[plan.split_masters]
-        state_bytes, placement = plan.state_bytes, plan.placement
-        over = plan.tier_bytes(HOST) - USABLE * self.inp.budget[HOST]
-        on_ssd, on_disk = set(), 0
-        for key, master, state in reversed(chunks):
-            if over <= 0:
-                break
-            if key not in plan.resident:
-                on_ssd.add(key)
-                over -= master + state
-                state_bytes["master params"] -= master
-                state_bytes["optimizer state"] -= state
-                on_disk += master + self.state_on_disk[key]
-        state_bytes["SSD chunks"] = on_disk
-        placement["SSD chunks"] = SSD
-        # SSD groups go alone: the groups beside the step as they will be.
-        return self.step_chunks(dataclasses.replace(plan, on_ssd=frozenset(on_ssd)))
-
-    def pool(self, plan: Plan) -> tiers.PoolArrays:
-        chunks = self.chunk_lists[plan.split_masters]
-        return pool_arrays(self.inp, plan, chunks, self.masters, self.opt, self.trained_stacked)
+        return self.chunks.on_ssd(plan)
 
     def finished(self, plan: Plan, measure_rates) -> Plan:
         """A fitting offloading candidate with the host cores' share of the update
         (config.offload.cpu_update; -1: from `measure_rates()`) and its pinned-host pool
         checked."""
         inp, policy = self.inp, self.inp.offload.policy
-        chunks = self.chunk_lists[plan.split_masters]
-        host = [c for c in chunks if c[0] not in plan.resident | plan.on_ssd]
-        share, note = inp.offload.cpu_update, ""
-        if share < 0 and inp.processes > 1:
-            share, note = 0.0, "cpu_update=-1 picked 0 (the hybrid update is one process's)"
-        elif share < 0:
-            share, note = hybrid_share(
-                measure_rates(), host, self.compute_dtype.itemsize, plan.split_masters
-            )
-        plan = self.step_chunks(with_cpu_update(plan, share, host, plan.split_masters))
-        if note:
-            plan = dataclasses.replace(
-                plan, cpu_note="; ".join(filter(None, (plan.cpu_note, note)))
-            )
-        plan = dataclasses.replace(plan, pool=self.pool(plan))
+        plan = self.chunks.with_cpu_share(plan, measure_rates)
+        plan = dataclasses.replace(plan, pool=self.chunks.pool(plan))
         overflow = tiers.pool_overflow(plan, inp.local_devices)
         if overflow:
             raise ConfigError(f"config.offload.policy={policy}: {overflow}")
@@ -308,7 +381,7 @@ def make_plan(
     placer = _Placer(
         inp, params, grads, offloaded_masters, opt, stacked, extra_activations, pipeline
     )
-    remats = placer.remats
+    remats = placer.sizes.remats
     names = ("none", "optimizer", "params") if o.policy == "auto" else (o.policy,)
     # The layer inputs' tiers to try, device first: their copies cost less than any other
     # state's offload (one (tokens, d_model) array per layer each way, overlapped with compute).
@@ -343,7 +416,7 @@ def make_plan(
 
 def _refusal(placer: _Placer, candidates, inputs, inputs_offloadable: bool) -> ConfigError:
     """Why no candidate fits, and the settings that would help."""
-    inp, remats = placer.inp, placer.remats
+    inp, remats = placer.inp, placer.sizes.remats
     policy, budget = inp.offload.policy, inp.budget
     plan = candidates[-1]
     need = ", ".join(
@@ -357,7 +430,7 @@ def _refusal(placer: _Placer, candidates, inputs, inputs_offloadable: bool) -> C
     held = next((p for p in candidates if p.offloads_optimizer and fits(p)), None)
     setting = ""
     if HOST in short and held:
-        pool = placer.pool(held)
+        pool = placer.chunks.pool(held)
         setting = tiers.pool_advice(dataclasses.replace(held, pool=pool), inp.local_devices)
     fixes = [*tiers.pool_fixes(short, setting=setting), tiers.more_devices()]
     if inp.zero_stage < 3:

@@ -165,35 +165,9 @@ class Plan:
         return states * self.num_devices / self.num_params
 
     def table(self) -> str:
-        gib = lambda b: f"{b / 2**30:8.2f}"
-        lines = [f"ZeRO-Cache plan (policy {self.policy}, remat {self.remat}), GiB per device:"]
-        lines.append(f"  {'state':<22} {'tier':<12} {'GiB':>8}")
-        for state, nbytes in self.state_bytes.items():
-            lines.append(f"  {state:<22} {self.placement[state]:<12} {gib(nbytes)}")
-        for tier in self.budget:
-            used, budget = self.tier_bytes(tier), self.budget[tier]
-            lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
-        if "update chunks" in self.state_bytes:
-            lines.append(
-                "  (a peak counts the step's activations and microbatch grads, with the "
-                "update's groups beside them, or the update's chunks, the larger)"
-            )
-        if self.offloads_optimizer and not self.copies_beside_step:
-            lines.append(
-                "  no room beside the step for the update's groups: the update waits for its "
-                "copies home, and fetches none before the step"
-            )
-        if self.grads_after_activations:
-            lines.append(
-                "  (the unrolled layers' grads are made as their activations are freed: a "
-                "peak counts the step's activations or the grads, the larger)"
-            )
-        lines.append(f"  model states: {self.bytes_per_param():.1f} bytes per parameter")
-        if self.cpu_note:
-            lines.append(f"  hybrid update: {self.cpu_note}")
-        if self.pool_note:
-            lines.append(f"  pinned-host pool: {self.pool_note}")
-        return "\n".join(lines)
+        """The plan as the log shows it: each state's tier and bytes, each tier's peak against
+        its budget, and how the peaks count."""
+        return _table(self)
 
 
 def local_bytes(abstract_tree, dtype=None) -> int:
@@ -202,3 +176,36 @@ def local_bytes(abstract_tree, dtype=None) -> int:
         shape = x.sharding.shard_shape(x.shape)
         total += math.prod(shape) * np.dtype(dtype or x.dtype).itemsize
     return total
+
+
+def _table(plan: Plan) -> str:
+    """`Plan.table`'s text, kept apart from the plan's accounting that it reports."""
+    gib = lambda b: f"{b / 2**30:8.2f}"
+    lines = [f"ZeRO-Cache plan (policy {plan.policy}, remat {plan.remat}), GiB per device:"]
+    lines.append(f"  {'state':<22} {'tier':<12} {'GiB':>8}")
+    for state, nbytes in plan.state_bytes.items():
+        lines.append(f"  {state:<22} {plan.placement[state]:<12} {gib(nbytes)}")
+    for tier in plan.budget:
+        used, budget = plan.tier_bytes(tier), plan.budget[tier]
+        lines.append(f"  {'peak ' + tier:<35} {gib(used)} of {gib(budget).strip()} budget")
+    if "update chunks" in plan.state_bytes:
+        lines.append(
+            "  (a peak counts the step's activations and microbatch grads, with the "
+            "update's groups beside them, or the update's chunks, the larger)"
+        )
+    if plan.offloads_optimizer and not plan.copies_beside_step:
+        lines.append(
+            "  no room beside the step for the update's groups: the update waits for its "
+            "copies home, and fetches none before the step"
+        )
+    if plan.grads_after_activations:
+        lines.append(
+            "  (the unrolled layers' grads are made as their activations are freed: a "
+            "peak counts the step's activations or the grads, the larger)"
+        )
+    lines.append(f"  model states: {plan.bytes_per_param():.1f} bytes per parameter")
+    if plan.cpu_note:
+        lines.append(f"  hybrid update: {plan.cpu_note}")
+    if plan.pool_note:
+        lines.append(f"  pinned-host pool: {plan.pool_note}")
+    return "\n".join(lines)
