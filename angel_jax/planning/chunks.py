@@ -28,13 +28,6 @@ from angel_jax.planning.plan import STEP_ONLY, Plan, local_bytes
 from angel_jax.planning.tiers import DEVICE, HOST, SSD, USABLE
 
 
-def _split_bytes(abstract_params, stacked, dtype=None) -> tuple[int, int]:
-    """Bytes per device of (the stacked layer weights, the rest)."""
-    leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(stacked), strict=True)
-    layers = sum(local_bytes(p, dtype) for p, s in leaves if s)
-    return layers, local_bytes(abstract_params, dtype) - layers
-
-
 def update_chunks(
     abstract_params, opt_abstract, stacked, state_bytes=local_bytes
 ) -> list[tuple[tuple[str, int | None], int, int]]:
