@@ -73,6 +73,9 @@ def saved_run(workdir: str, flag: str = "--checkpoint") -> str:
 
 
 class Checkpointer:
+    """A training run's checkpoints, WORKDIR/checkpoints/STEP under one orbax manager: what a
+    run asks of them. `_Writer` carries out the saves, `_Reader` the restores."""
+
     def __init__(
         self,
         workdir: str,
@@ -83,31 +86,9 @@ class Checkpointer:
     ):
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.every_steps = every_steps
-        # lightweight_initialize: list steps without reading each one's metadata file, which
-        # orbax would log (not raise) about when damaged; restore() then reports it once.
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep,  # A reader deletes nothing.
-            save_interval_steps=0 if read_only else 1,
-            create=not read_only,
-            read_only=read_only,
-            enable_async_checkpointing=async_save,
-            lightweight_initialize=True,
-            cleanup_tmp_directories=not read_only,  # Saves cut short by a crash.
-        )
-        # A reader writes nothing into the run's directory, its log neither.
-        log_dir = pathlib.Path(tempfile.gettempdir()) if read_only else self.directory.parent
-        self.log = _OrbaxLog(
-            log_dir / ("orbax.log" if not read_only else f"orbax-{os.getpid()}.log")
-        )
-        try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
-        except OSError as e:
-            self.log.close()
-            raise ConfigError(
-                f"--workdir {workdir}: cannot create {self.directory} ({e}); pass a writable "
-                "directory as --workdir"
-            ) from None
-        self._in_flight = None  # The step of the last save started.
+        self.manager, self.log = _open_manager(workdir, self.directory, keep, async_save, read_only)
+        self._writer = _Writer(self.directory, self.manager, self.log)
+        self._reader = _Reader(self.directory, self.manager, self.log)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -139,6 +120,103 @@ class Checkpointer:
             "offload_policy": offload_policy,
             "split_masters": split_masters,
         }
+        self._writer.save(step, state, meta)
+
+    def check_space(self, state, step: int | None = None) -> None:
+        """Stops the run (SaveFailed) when a checkpoint of `state` (arrays, or their shapes
+        and dtypes) would not fit the free space of the checkpoints' disk: a write cut short
+        by a full disk costs the run's progress since the last save, a check costs nothing.
+        Every process takes the same decision."""
+        self._writer.check_space(state, step)
+
+    def check(self) -> None:
+        """Raises SaveFailed when an asynchronous save in flight has failed."""
+        self._writer.check()
+
+    def wait(self) -> None:
+        """Waits for the save in flight; SaveFailed when it failed."""
+        self._writer.wait()
+
+    def restore(
+        self,
+        step: int,
+        abstract_state,
+        offload_policy: str = "none",
+        split_masters: bool = False,
+        reshard=None,
+    ):
+        """(state, next batch index) saved at `step`, placed as `abstract_state` says.
+
+        Without `reshard` the state restores only under the layout it was saved in (orbax
+        reshards it to any mesh). With one (`elastic.Reshard`), a state saved under another
+        layout is read in its own form and converted, and a state of other shapes (a changed
+        model) is one line naming the settings that changed."""
+        return self._reader.restore(step, abstract_state, offload_policy, split_masters, reshard)
+
+    def restore_latest(
+        self,
+        abstract_state,
+        offload_policy: str = "none",
+        split_masters: bool = False,
+        reshard=None,
+    ) -> Restored | None:
+        """The newest checkpoint that can be read, or None when there is none.
+
+        A checkpoint that cannot be read (damaged files) is passed over for the one before it;
+        once an older one restores, the unreadable newer ones are renamed `STEP.unreadable` so
+        that new saves can take their steps. When none can be read, the newest's error is
+        raised and nothing is renamed: the cause is then more likely the config (a changed
+        model) than the files. Every process takes the same decision.
+        """
+        return self._reader.restore_latest(abstract_state, offload_policy, split_masters, reshard)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            self.log.close()
+
+
+def _open_manager(
+    workdir: str, directory: pathlib.Path, keep: int, async_save: bool, read_only: bool
+) -> tuple[ocp.CheckpointManager, "_OrbaxLog"]:
+    """Orbax's manager of `directory`, and the log its reports go to; a reader (`read_only`)
+    deletes, cleans up and writes nothing in the run's directory."""
+    # lightweight_initialize: list steps without reading each one's metadata file, which
+    # orbax would log (not raise) about when damaged; restore() then reports it once.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=None if read_only else keep,  # A reader deletes nothing.
+        save_interval_steps=0 if read_only else 1,
+        create=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=async_save,
+        lightweight_initialize=True,
+        cleanup_tmp_directories=not read_only,  # Saves cut short by a crash.
+    )
+    # A reader writes nothing into the run's directory, its log neither.
+    log_dir = pathlib.Path(tempfile.gettempdir()) if read_only else directory.parent
+    log = _OrbaxLog(log_dir / ("orbax.log" if not read_only else f"orbax-{os.getpid()}.log"))
+    try:
+        return ocp.CheckpointManager(directory, options=options), log
+    except OSError as e:
+        log.close()
+        raise ConfigError(
+            f"--workdir {workdir}: cannot create {directory} ({e}); pass a writable "
+            "directory as --workdir"
+        ) from None
+
+
+class _Writer:
+    """A Checkpointer's saves: the free-space check before each, the save in flight, and the
+    one line that stops the run when one fails (orbax's own report goes to the log)."""
+
+    def __init__(self, directory: pathlib.Path, manager: ocp.CheckpointManager, log: "_OrbaxLog"):
+        self.directory, self.manager, self.log = directory, manager, log
+        self._in_flight = None  # The step of the last save started.
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """`Checkpointer.save`, `meta` being what it records beside the state."""
         self.wait()  # The previous save is on disk (or failed) before the space is counted.
         self.check_space(state, step)
         self._in_flight = step
@@ -153,10 +231,7 @@ class Checkpointer:
             raise self._save_failed(step, e) from None
 
     def check_space(self, state, step: int | None = None) -> None:
-        """Stops the run (SaveFailed) when a checkpoint of `state` (arrays, or their shapes
-        and dtypes) would not fit the free space of the checkpoints' disk: a write cut short
-        by a full disk costs the run's progress since the last save, a check costs nothing.
-        Every process takes the same decision."""
+        """`Checkpointer.check_space`."""
         need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
         free = shutil.disk_usage(self.directory).free
         if _everywhere(free >= need * SPACE_MARGIN):
@@ -169,14 +244,14 @@ class Checkpointer:
         )
 
     def check(self) -> None:
-        """Raises SaveFailed when an asynchronous save in flight has failed."""
+        """`Checkpointer.check`."""
         try:
             self.manager.check_for_errors()
         except Exception as e:
             raise self._save_failed(None, e) from None
 
     def wait(self) -> None:
-        """Waits for the save in flight; SaveFailed when it failed."""
+        """`Checkpointer.wait`."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:
@@ -198,20 +273,16 @@ class Checkpointer:
             return "; no checkpoint was saved before"
         return f"; the last good checkpoint, {self.directory / str(max(steps))}, is intact"
 
-    def restore(
-        self,
-        step: int,
-        abstract_state,
-        offload_policy: str = "none",
-        split_masters: bool = False,
-        reshard=None,
-    ):
-        """(state, next batch index) saved at `step`, placed as `abstract_state` says.
 
-        Without `reshard` the state restores only under the layout it was saved in (orbax
-        reshards it to any mesh). With one (`elastic.Reshard`), a state saved under another
-        layout is read in its own form and converted, and a state of other shapes (a changed
-        model) is one line naming the settings that changed."""
+class _Reader:
+    """A Checkpointer's restores: a step read into this run's layout, the newest readable step,
+    and the one line naming a step that cannot be read (orbax's own report goes to the log)."""
+
+    def __init__(self, directory: pathlib.Path, manager: ocp.CheckpointManager, log: "_OrbaxLog"):
+        self.directory, self.manager, self.log = directory, manager, log
+
+    def restore(self, step: int, abstract_state, offload_policy: str, split_masters: bool, reshard):
+        """`Checkpointer.restore`."""
         try:
             meta = self.manager.restore(
                 step, args=ocp.args.Composite(data=ocp.args.JsonRestore())
@@ -220,23 +291,7 @@ class Checkpointer:
             raise self._unreadable(step, e) from None
         if reshard is not None:
             return self._restore_resharded(step, meta, abstract_state, reshard)
-        saved_policy = meta.get("offload_policy", "none")
-        if saved_policy != offload_policy:
-            raise ConfigError(
-                f"checkpoint {self.directory / str(step)} holds state laid out for "
-                f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
-                f"resume with --config.offload.policy={saved_policy} (and a budget it fits)"
-            )
-        saved_split = meta.get("split_masters", False)
-        if saved_split != split_masters:
-            held = {True: "split in halves", False: "whole"}
-            raise ConfigError(
-                f"checkpoint {self.directory / str(step)} holds the float32 masters "
-                f"{held[saved_split]}, but this run keeps them {held[split_masters]}; resume "
-                f"with --config.offload.split_masters={str(saved_split).lower()} (masters split "
-                "only beside a bfloat16 compute copy on the device: config.model.dtype=bfloat16, "
-                "no layer streaming)"
-            )
+        _check_layout(self.directory / str(step), meta, offload_policy, split_masters)
         try:
             restored = self.manager.restore(
                 step,
@@ -263,7 +318,13 @@ class Checkpointer:
             stored = getattr(stored, "item_metadata", stored)
         except Exception as e:
             raise self._unreadable(step, e) from None
-        self._check_shapes(step, meta, stored, expected, reshard.settings)
+        if reason := _shape_difference(stored, expected):
+            _refuse_changed_settings(
+                self.directory / str(step), meta.get("settings", {}), reshard.settings
+            )
+            # The same settings (or none recorded): damaged metadata, or an older checkpoint's
+            # other settings; unreadable, so that `restore_latest` may go back past it.
+            raise self._unreadable(step, ValueError(reason))
         as_is = _same_form(saved, reshard.layout)
         target = abstract_state if as_is else jax.tree.map(_host_array, expected)
         try:
@@ -276,54 +337,10 @@ class Checkpointer:
             state = reshard.convert(state, saved)
         return state, int(meta["next_batch_index"])
 
-    def _check_shapes(self, step: int, meta: dict, stored, expected, settings: dict) -> None:
-        """One line naming the settings that changed when the checkpoint's arrays are not the
-        shapes this run's model has in the saved layout (a ConfigError: every checkpoint of
-        the run would fail alike)."""
-        shapes = lambda tree, is_leaf=None: {
-            k: tuple(v.shape)
-            for k, v in ocp.tree.to_flat_dict(tree, is_leaf=is_leaf).items()
-            if hasattr(v, "shape")
-        }
-        have = shapes(stored, lambda x: hasattr(x, "shape"))
-        want = shapes(expected)
-        if have == want:
-            return
-        saved = meta.get("settings", {})
-        changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
-        where = f"checkpoint {self.directory / str(step)}"
-        if changed:
-            was = ", ".join(f"config.{k}={_value(saved[k])}" for k in changed)
-            now = ", ".join(f"{_value(settings[k])}" for k in changed)
-            fix = " ".join(f"--config.{k}={_value(saved[k])}" for k in changed)
-            raise ConfigError(
-                f"{where} holds a model of other shapes: it was saved with {was} (this run: "
-                f"{now}); resume with {fix}, or pass a new --workdir to start over"
-            )
-        # The same settings (or none recorded): damaged metadata, or an older checkpoint's
-        # other settings; unreadable, so that `restore_latest` may go back past it.
-        first = next(k for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
-        reason = (
-            f"its arrays are not this model's shapes: {'/'.join(first)} is "
-            f"{have.get(first, 'absent')} there, {want.get(first, 'absent')} here"
-        )
-        raise self._unreadable(step, ValueError(reason))
-
     def restore_latest(
-        self,
-        abstract_state,
-        offload_policy: str = "none",
-        split_masters: bool = False,
-        reshard=None,
+        self, abstract_state, offload_policy: str, split_masters: bool, reshard
     ) -> Restored | None:
-        """The newest checkpoint that can be read, or None when there is none.
-
-        A checkpoint that cannot be read (damaged files) is passed over for the one before it;
-        once an older one restores, the unreadable newer ones are renamed `STEP.unreadable` so
-        that new saves can take their steps. When none can be read, the newest's error is
-        raised and nothing is renamed: the cause is then more likely the config (a changed
-        model) than the files. Every process takes the same decision.
-        """
+        """`Checkpointer.restore_latest`."""
         failed = []  # (step, UnreadableCheckpoint), newest first.
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
@@ -338,7 +355,8 @@ class Checkpointer:
                 failed.append((step, error))
                 continue
             if failed:
-                self._set_aside([s for s, _ in failed])
+                _set_aside(self.directory, [s for s, _ in failed])
+                self.manager.reload()
             return Restored(step, state, data_index, [(s, e.reason) for s, e in failed])
         if len(failed) == 1:
             raise failed[0][1]
@@ -352,22 +370,6 @@ class Checkpointer:
             )
         return None
 
-    def _set_aside(self, steps: list[int]) -> None:
-        if jax.process_index() == 0:
-            for step in steps:
-                source = self.directory / str(step)
-                target = self.directory / f"{step}.unreadable"
-                n = 1
-                while target.exists():
-                    n += 1
-                    target = self.directory / f"{step}.unreadable.{n}"
-                source.rename(target)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("angel_jax checkpoints set aside")
-        self.manager.reload()
-
     def _unreadable(self, step: int, error: Exception) -> ConfigError:
         self.log.failed(f"reading step {step} failed", error)
         reason = one_line_reason(error)
@@ -378,15 +380,82 @@ class Checkpointer:
             reason,
         )
 
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self.manager.close()
-            self.log.close()
-
 
 SPACE_MARGIN = 1.05  # Orbax's metadata, and room for the disk's own rounding.
+
+
+def _check_layout(path: pathlib.Path, meta: dict, offload_policy: str, split_masters: bool) -> None:
+    """One line naming the setting to resume with when the checkpoint at `path` holds its state
+    in another layout than this run's (a ConfigError: restored without a `reshard`, its
+    arrays would not fit this run's state)."""
+    saved_policy = meta.get("offload_policy", "none")
+    if saved_policy != offload_policy:
+        raise ConfigError(
+            f"checkpoint {path} holds state laid out for "
+            f"config.offload.policy={saved_policy}, but this run plans {offload_policy}; "
+            f"resume with --config.offload.policy={saved_policy} (and a budget it fits)"
+        )
+    saved_split = meta.get("split_masters", False)
+    if saved_split != split_masters:
+        held = {True: "split in halves", False: "whole"}
+        raise ConfigError(
+            f"checkpoint {path} holds the float32 masters "
+            f"{held[saved_split]}, but this run keeps them {held[split_masters]}; resume "
+            f"with --config.offload.split_masters={str(saved_split).lower()} (masters split "
+            "only beside a bfloat16 compute copy on the device: config.model.dtype=bfloat16, "
+            "no layer streaming)"
+        )
+
+
+def _shape_difference(stored, expected) -> str | None:
+    """None when the checkpoint's arrays (`stored`, their metadata) have the shapes this run's
+    model has in the saved layout (`expected`), else the first that differs, as a reason."""
+    shapes = lambda tree, is_leaf=None: {
+        k: tuple(v.shape)
+        for k, v in ocp.tree.to_flat_dict(tree, is_leaf=is_leaf).items()
+        if hasattr(v, "shape")
+    }
+    have = shapes(stored, lambda x: hasattr(x, "shape"))
+    want = shapes(expected)
+    if have == want:
+        return None
+    first = next(k for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+    return (
+        f"its arrays are not this model's shapes: {'/'.join(first)} is "
+        f"{have.get(first, 'absent')} there, {want.get(first, 'absent')} here"
+    )
+
+
+def _refuse_changed_settings(path: pathlib.Path, saved: dict, settings: dict) -> None:
+    """One line naming the settings that changed since the checkpoint at `path` was saved with
+    `saved`, when some did (a ConfigError: every checkpoint of the run would fail alike)."""
+    changed = sorted(k for k in settings if k in saved and saved[k] != settings[k])
+    if changed:
+        was = ", ".join(f"config.{k}={_value(saved[k])}" for k in changed)
+        now = ", ".join(f"{_value(settings[k])}" for k in changed)
+        fix = " ".join(f"--config.{k}={_value(saved[k])}" for k in changed)
+        raise ConfigError(
+            f"checkpoint {path} holds a model of other shapes: it was saved with {was} (this "
+            f"run: {now}); resume with {fix}, or pass a new --workdir to start over"
+        )
+
+
+def _set_aside(directory: pathlib.Path, steps: list[int]) -> None:
+    """Renames the unreadable `steps` to `STEP.unreadable` (process 0 renames, every process
+    waits for it), so that new saves can take their steps."""
+    if jax.process_index() == 0:
+        for step in steps:
+            source = directory / str(step)
+            target = directory / f"{step}.unreadable"
+            n = 1
+            while target.exists():
+                n += 1
+                target = directory / f"{step}.unreadable.{n}"
+            source.rename(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("angel_jax checkpoints set aside")
 
 
 def _same_form(a: dict, b: dict) -> bool:
