@@ -176,9 +176,7 @@ def main() -> int:
     from bench import commit
 
     out.update(command="python " + " ".join(sys.argv), commit=commit())
-    path = pathlib.Path(
-        args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json"
-    )
+    path = pathlib.Path(args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")

@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from angel_jax import plan  # noqa: E402
-from angel_jax.config import load_config  # noqa: E402
+from angel_jax.config import ConfigError, load_config  # noqa: E402
 from angel_jax.plan import Layout, Problem  # noqa: E402
 from angel_jax.planning import cost_model  # noqa: E402
 
@@ -167,7 +167,11 @@ def compare(run: Published, search: bool = True) -> dict:
         shape, run.seq_len
     )
     model = plan.evaluate(problem, shape, theirs, run.system, with_memory=False)
-    ours = plan.evaluate(problem, shape, theirs)  # Our schedules and memory.
+    try:  # Our schedules and memory.
+        ours = plan.evaluate(problem, shape, theirs)
+    except ConfigError as e:  # A mesh our trainer refuses.
+        ours = None
+        refused = str(e).split(": ", 1)[-1]
     row = dict(
         run=run.name,
         gpus=run.gpus,
@@ -179,10 +183,15 @@ def compare(run: Published, search: bool = True) -> dict:
         model_mfu=model.tokens_per_s * their_flops(shape, run.seq_len) / 989e12,
         model_error=model.tokens_per_s / published_tps - 1,
         model_breakdown=dataclasses.asdict(model.breakdown),
-        ours_on_their_layout_tokens_per_s=ours.tokens_per_s,
-        ours_on_their_layout_gib=ours.memory_gib,
-        ours_on_their_layout_fits=ours.fits,
     )
+    if ours is None:
+        row.update(ours_on_their_layout_refused=refused)
+    else:
+        row.update(
+            ours_on_their_layout_tokens_per_s=ours.tokens_per_s,
+            ours_on_their_layout_gib=ours.memory_gib,
+            ours_on_their_layout_fits=ours.fits,
+        )
     fits, over = plan.search(problem) if search else ([], [])
     if fits:
         best = fits[0]
@@ -220,7 +229,14 @@ def main() -> int:
         else:
             best = "no layout of ours splits this batch over these GPUs"
 
-        fits = "fits" if r["ours_on_their_layout_fits"] else "over memory"
+        if "ours_on_their_layout_refused" in r:
+            theirs = "refused: " + r["ours_on_their_layout_refused"]
+        else:
+            fits = "fits" if r["ours_on_their_layout_fits"] else "over memory"
+            theirs = (
+                f"{r['ours_on_their_layout_tokens_per_s']:,.0f} "
+                f"({r['ours_on_their_layout_gib']:.0f} GiB, {fits})"
+            )
         print(
             " | ".join(
                 (
@@ -228,8 +244,7 @@ def main() -> int:
                     f"{r['published_tokens_per_s']:,.0f} ({r['published_mfu']:.1%})",
                     f"{r['model_tokens_per_s']:,.0f} ({r['model_mfu']:.1%})",
                     f"{r['model_error']:+.0%}",
-                    f"{r['ours_on_their_layout_tokens_per_s']:,.0f} "
-                    f"({r['ours_on_their_layout_gib']:.0f} GiB, {fits})",
+                    theirs,
                     best,
                 )
             )

@@ -381,6 +381,20 @@ def test_attention_in_a_stage_runs_on_each_devices_shard():
     make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)  # Accepted.
 
 
+def test_a_gpu_pipeline_beside_tensor_and_another_axis_is_refused():
+    """XLA's GPU partitioner aborts the process on it (tests/test_plan.py compiles it); the CPU
+    compiles it, so the tests here still run such meshes."""
+    config = small_config(model__num_layers=4, mesh__pipeline=2, mesh__data=2, mesh__tensor=2)
+    cfg = LlamaConfig.from_config(config.model, "cpu")
+    shape = dict(data=2, pipeline=2, expert=1, context=1, sequence=1, tensor=2)
+    inp = plan_input(config, shape, cfg, budget={})
+    make_pipeline_plan(inp, cfg)  # On the CPU: accepted.
+    with pytest.raises(ConfigError, match="config.mesh.tensor=2 and config.mesh.data=2"):
+        make_pipeline_plan(dataclasses.replace(inp, backend="gpu"), cfg)
+    alone = plan_input(config, {**shape, "data": 1}, cfg, budget={})
+    make_pipeline_plan(dataclasses.replace(alone, backend="gpu"), cfg)  # Tensor alone: accepted.
+
+
 def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute():
     """The mechanism, not the numbers: each stage keeps its half of the stacked layers (no
     gather of the whole stack), and the microbatches' activations (rows x T x D) move between

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from angel_jax import plan
-from angel_jax.config import load_config
+from angel_jax.config import ConfigError, load_config
 from angel_jax.planning import cost_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -167,6 +167,9 @@ def test_pipeline_stages_call_cudnn_attention_beside_split_axes():
         got = plan.compile_layout(p, layout, hosts=1)
         assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
         assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
+    # Beside tensor and another split axis, XLA's GPU partitioner would abort the process.
+    with pytest.raises(ConfigError, match="GPU partitioner aborts"):
+        plan.compile_layout(p, plan.Layout(2, 2, 2, 1, 1, "full", 4, "1f1b"), hosts=1)
 
 
 def test_a_long_sequence_rings_beyond_a_host():
