@@ -586,8 +586,8 @@ BREAKS = [
     (
         "a slot's group keeps its old host copies until its update has run",
         "angel_jax/offload/stream.py",
-        "            if self.slot_bytes and old:\n",
-        "            if False:\n",
+        "        if self.slot_bytes and old:\n",
+        "        if False:\n",
         [
             "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_frees_a_groups_host_copies_before_its_new_ones"
@@ -616,8 +616,8 @@ BREAKS = [
     (
         "a group larger than a slot is fetched beside the last microbatch",
         "angel_jax/offload/stream.py",
-        "        if nxt < n and (nxt < self.between_groups or g >= self.between_groups):",
-        "        if nxt < n:",
+        "        if nxt < len(update.groups) and (nxt < between or g >= between):",
+        "        if nxt < len(update.groups):",
         [
             "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one"
@@ -626,8 +626,8 @@ BREAKS = [
     (
         "a group larger than a slot stays beside the next step's first microbatch",
         "angel_jax/offload/stream.py",
-        "        keep = self.leaving if self.beside_step and self.between_groups == n else 0",
-        "        keep = self.leaving if self.beside_step else 0",
+        "        keep = update.leaving if update.beside_step and update.between_groups == n else 0",
+        "        keep = update.leaving if update.beside_step else 0",
         [
             "tests/test_offload_delayed.py::"
             "test_update_between_microbatches_runs_chunks_larger_than_a_slot_after_the_last_one",
@@ -639,7 +639,7 @@ BREAKS = [
         "angel_jax/offload/stream.py",
         (
             "        if g not in fetched:  # Larger than a slot: fetched after the last "
-            "microbatch.\n            self.homebound.make_room(fetched, self.in_flight)\n"
+            "microbatch.\n            update.homebound.make_room(fetched, update.in_flight)\n"
         ),
         "        if g not in fetched:\n",
         [
@@ -750,10 +750,14 @@ BREAKS = [
     (
         "groups home dropped before the trim",
         "angel_jax/offload/stream.py",
-        "        keep = self.leaving if self.beside_step and self.between_groups == n else 0\n",
         (
-            "        self.homebound.delete_ready()\n"
-            "        keep = self.leaving if self.beside_step and self.between_groups == n else 0\n"
+            "        keep = update.leaving if update.beside_step and update.between_groups == n "
+            "else 0\n"
+        ),
+        (
+            "        update.homebound.delete_ready()\n"
+            "        keep = update.leaving if update.beside_step and update.between_groups == n "
+            "else 0\n"
         ),
         [
             "tests/test_offload_planner.py::test_the_groups_left_beside_the_step_are_the_last_ones_and_do_not_pile_up"

@@ -191,105 +191,82 @@ class Chunk(NamedTuple):
         return jax.tree.map(lambda x: x.sharding, self.state)
 
 
-class StreamedUpdate:
-    """The ZeRO-Cache optimizer update, run after the jitted forward/backward step: each chunk's
-    master and state are copied to the device, updated there, and copied back to their tier
-    (read from and written to disk for the SSD tier); its new compute copy goes straight into
-    the stacked compute buffer (donated, on the device or in host memory).
+class Schedule(NamedTuple):
+    """The streamed update's chunks, groups and groups in flight (`update_schedule`)."""
+
+    chunks: list[Chunk]  # The chunks the device updates, in update order.
+    groups: list[list[int]]  # Indices into `chunks`, a group's chunks updated together.
+    group_bytes: list[int]  # Per group, its chunks' bytes (per device).
+    moved_bytes: list[int]  # Per group, the bytes it moves (those not resident on the device).
+    between_groups: int  # How many groups (the first) may run between microbatches.
+    last_group: dict[int, int]  # Per weight (flat index), the last group that updates it.
+    parts: list  # Per chunk, its part of its weight (`groups.chunk_part`).
+    in_flight: int  # The most groups on the device at once, fetched or on their way home.
+    ahead: int  # How many groups are fetched ahead of the one updated.
+    leaving: int  # How many groups stay on their way home beside the next step.
+
+
+def update_schedule(chunks: list[Chunk], in_flight: int, slot_bytes: int) -> Schedule:
+    """The chunks the device updates (not the host cores', `cpu.CPUTier`'s), in order, their
+    groups, and how many of these are in flight, all fixed by the plan.
 
     Consecutive chunks of one tier move and update together, as a group: one copy call each
     way and one program. Each chunk costs the host about 1.2 ms of runtime calls, the device
     idle between the update's tiny kernels meanwhile (250 ms a step for llama_1b's 201
     chunks). The planner makes the groups (`groups.group_chunks`, at most
     256 MiB each unless every chunk is in flight, a larger chunk alone), so its bounds are the
-    update's own.
+    update's own."""
+    # Between microbatches (`Plan.slot_bytes`): a group a slot, one fetched while the
+    # last one goes home (config.offload.chunks_in_flight does not apply).
+    in_flight = 2 if slot_bytes else in_flight
+    ahead, leaving = flight(in_flight)
+    chunks = [c for c in chunks if c.tier != CPU]
+    if slot_bytes:
+        leaving = 1  # One left on its way home, beside the next step's first fetched.
+        # Chunks larger than a slot last: they run after the last microbatch.
+        tiers = [c.tier for c in chunks]
+        order = slot_order([chunk_bytes(c) for c in chunks], tiers, slot_bytes)
+        chunks = [chunks[k] for k in order]
+    sizes = [chunk_bytes(c) for c in chunks]
+    tiers, parts = [c.tier for c in chunks], [chunk_part(c.key) for c in chunks]
+    groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
+    # The groups that may run between microbatches come first: the others move more than a
+    # slot (`slot_order`), fetched after the last microbatch.
+    moved_bytes = [sum(sizes[k] for k in ks if tiers[k] != DEVICE) for ks in groups]
+    return Schedule(
+        chunks=chunks,
+        groups=groups,
+        group_bytes=[sum(sizes[k] for k in ks) for ks in groups],
+        moved_bytes=moved_bytes,
+        between_groups=sum(not slot_bytes or n <= slot_bytes for n in moved_bytes),
+        last_group={chunks[k].weight: g for g, ks in enumerate(groups) for k in ks},
+        parts=parts,
+        in_flight=in_flight,
+        ahead=ahead,
+        leaving=leaving,
+    )
+
+
+class GroupCopies:
+    """A group's copies between its tier and the device, apart from its program: fetched,
+    taken in on the device, and sent home, where `homebound` holds what they read until done.
 
     The copies are runtime transfers, not copies inside one program: XLA runs one program's
     host->device and device->host copies one after the other (an in-jit update took the sum
-    of both directions' copy times), while the runtime uses one stream for each
-    direction. Group k + `in_flight` // 2 is fetched while group k is updated, once the
-    oldest groups on their way home (this update's or the last one's) are home, so that the
-    device holds at most `in_flight` groups, fetched or on their way home.
+    of both directions' copy times), while the runtime uses one stream for each direction."""
 
-    The runtime starts a copy only after the device work queued before it, and runs it beside
-    the work queued after it (experiments/copy_overlap_probe.py: 8 GiB down queued before a
-    165 ms program took 167 ms in all, queued after it 319). So the first `in_flight` // 2
-    groups are fetched by `prefetch` before the forward/backward that makes their grads is
-    dispatched, and the last groups' copies home run beside the next one, when the plan has
-    room for them beside the step's activations (`Plan.copies_beside_step`, which counts them:
-    `groups.beside_step_groups`).
-
-    A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
-    takes groups of that many bytes moved, two on the device at most (one fetched, one on its
-    way home; config.offload.chunks_in_flight does not apply): `stages` stops after each, so
-    that a microbatch is dispatched between them (`slots`). Chunks larger than a slot come
-    last, groups of their own, fetched after the last microbatch, and the last of them goes
-    home before the next step.
-    """
-
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        chunks: list[Chunk],
-        in_flight: int,
-        ssd=None,
-        cpu=None,
-        beside_step: bool = True,
-        slot_bytes: int = 0,
-    ):
-        # Between microbatches (`Plan.slot_bytes`): a group a slot, one fetched while the
-        # last one goes home.
-        in_flight = 2 if slot_bytes else in_flight
-        self.optimizer, self.in_flight, self.ssd, self.cpu = optimizer, in_flight, ssd, cpu
-        self.slot_bytes = slot_bytes
-        # Whether groups are fetched before the step and go home beside the next one (the
-        # plan's `copies_beside_step`): else the update ends with every copy home.
-        self.beside_step = beside_step
-        self.chunks = [c for c in chunks if c.tier != CPU]  # The device updates these.
-        self.ahead, self.leaving = flight(in_flight)
-        if slot_bytes:  # One left on its way home, beside the next step's first fetched.
-            self.leaving = 1
-            # Chunks larger than a slot last: they run after the last microbatch.
-            tiers = [c.tier for c in self.chunks]
-            order = slot_order([chunk_bytes(c) for c in self.chunks], tiers, slot_bytes)
-            self.chunks = [self.chunks[k] for k in order]
-        sizes = [chunk_bytes(c) for c in self.chunks]
-        tiers, parts = [c.tier for c in self.chunks], [chunk_part(c.key) for c in self.chunks]
-        self.groups = group_chunks(sizes, tiers, parts, in_flight, slot_bytes)
-        self.group_bytes = [sum(sizes[k] for k in ks) for ks in self.groups]
-        # The bytes each group moves; the groups that may run between microbatches come first:
-        # the others move more than a slot (`slot_order`), fetched after the last microbatch.
-        self.moved_bytes = [sum(sizes[k] for k in ks if tiers[k] != DEVICE) for ks in self.groups]
-        self.between_groups = sum(not slot_bytes or n <= slot_bytes for n in self.moved_bytes)
-        # Per weight (flat index), the last group that updates it.
-        self._last_group = {
-            self.chunks[k].weight: g for g, ks in enumerate(self.groups) for k in ks
-        }
-        self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
-        self.most_bytes_in_flight = 0  # Their bytes (per device).
-        self.programs = GroupPrograms(optimizer, self.chunks, parts)
-        self.moves = Moves(self.chunks)
+    def __init__(self, chunks: list[Chunk], groups: list[list[int]], ssd, slot_bytes: int):
+        self.chunks, self.groups, self.ssd, self.slot_bytes = chunks, groups, ssd, slot_bytes
+        self.moves = Moves(chunks)
         self.homebound = Homebound()  # The groups on their way home.
 
-    def prefetch(self, masters: list, states: list) -> dict:
-        """Starts the first `in_flight` // 2 groups' copies to the device (arguments as
-        `__call__`'s), for `__call__`'s `fetched`: call it before dispatching the step whose
-        grads the update takes, so the copies run beside that step. The host copies stay until
-        the update reads them: an update left out (an anomalous step) loses nothing.
-
-        A group whose host copies are not all written yet (its copies home from the last
-        update still running) is left to `__call__`: on the GPU the step dispatched after a
-        copy from an array not yet written waited for that array (the grad step's dispatch
-        waited 65 ms, until the last copies home were done)."""
-        self.homebound.delete_ready()  # The groups home leave the device before more come.
-        if not self.beside_step:
-            return {}
-        first = range(min(self.ahead, self.between_groups))
-        return {g: self.fetch(g, masters, states) for g in first if self._home(g, masters, states)}
-
-    def _home(self, g: int, masters: list, states: list) -> bool:
+    def is_home(self, g: int, masters: list, states: list) -> bool:
         """Whether group g's host copies are all written (an SSD group is read on threads)
-        and its device outputs gone (else it would be on the device twice)."""
+        and its device outputs gone (else it would be on the device twice).
+
+        `StreamedUpdate.prefetch` leaves a group not home to the update: on the GPU the step
+        dispatched after a copy from an array not yet written waited for that array (the grad
+        step's dispatch waited 65 ms, until the last copies home were done)."""
         ks = self.groups[g]
         if self.chunks[ks[0]].tier == SSD:
             return True
@@ -310,19 +287,123 @@ class StreamedUpdate:
         dispatch.mark(dispatch.FETCHED_GROUP)
         return fetched
 
+    def take_in(self, g: int, fetched, masters: list, states: list) -> tuple[list, list]:
+        """Group g's leaves on the device from what `fetch` returned, and the caller's old host
+        copies, which its copies home delete once they are done (none for the SSD tier)."""
+        ks = self.groups[g]
+        if self.chunks[ks[0]].tier == SSD:
+            master, state = (f.result() for f in fetched)
+            return self.moves.move(ks, [[master, *jax.tree.leaves(state)]], to_device=True), []
+        # The caller's host copies (its state is donated), deleted once read.
+        old = self.moves.moved(ks, [self.moves.leaves(k, masters, states) for k in ks])
+        if self.slot_bytes and old:
+            # A slot's group is large: its host copies go, once copied up, before
+            # its new ones come, or the pinned pool would hold it twice (the 8B's
+            # 6 GiB groups ran it out of memory).
+            moves.wait(self.moves.moved(ks, fetched))
+            moves.delete(old)
+            old = []
+        return fetched, old
+
+    def send_home(self, g: int, new: tuple, masters: list, states: list, old: list) -> None:
+        """Group g's `new` (masters, states) on their way home: written to disk, or copied to
+        host memory into `masters` and `states`, with `old` deleted once they are there."""
+        ks, (new_masters, new_states) = self.groups[g], new
+        group = [self.chunks[k] for k in ks]
+        outs = [[m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)]
+        if group[0].tier == SSD:  # The writes hold the device outputs until written.
+            writes = list(self.ssd.put(group[0], new_masters[0], new_states[0]))
+            self.homebound.append([writes, [], [], g])
+            return
+        device_outs = self.moves.moved(ks, outs)
+        outs = self.moves.move(ks, outs, to_device=False)
+        for k, c, x in zip(ks, group, outs, strict=True):
+            _put(masters, c, x[0])
+            _put(states, c, self.moves.state(k, x[1:]))
+        if device_outs:  # A group resident on the device has nothing on its way.
+            self.homebound.append([self.moves.moved(ks, outs), device_outs, old, g])
+
+
+def run_out(stages):
+    """`stages` (a generator `StreamedUpdate.stages` returned) run to its end: its value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as end:
+            return end.value
+
+
+class StreamedUpdate:
+    """The ZeRO-Cache optimizer update, run after the jitted forward/backward step: each chunk's
+    master and state are copied to the device, updated there, and copied back to their tier
+    (read from and written to disk for the SSD tier); its new compute copy goes straight into
+    the stacked compute buffer (donated, on the device or in host memory).
+
+    Consecutive chunks of one tier move and update together, as a group (`update_schedule`),
+    by runtime transfers (`GroupCopies`). Group k + `in_flight` // 2 is fetched while group k
+    is updated, once the oldest groups on their way home (this update's or the last one's) are
+    home, so that the device holds at most `in_flight` groups, fetched or on their way home:
+    the first ones fetched before the step (`prefetch`), the last ones home beside the next.
+
+    A delayed update between the next step's microbatches (`slot_bytes`, `Plan.slot_bytes`)
+    takes groups of that many bytes moved, two on the device at most: `stages` stops after
+    each, so that a microbatch is dispatched between them (`slots`). Chunks larger than a slot
+    come last, groups of their own, fetched after the last microbatch, and the last of them
+    goes home before the next step."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        chunks: list[Chunk],
+        in_flight: int,
+        ssd=None,
+        cpu=None,
+        beside_step: bool = True,
+        slot_bytes: int = 0,
+    ):
+        schedule = update_schedule(chunks, in_flight, slot_bytes)
+        self.chunks, self.groups = schedule.chunks, schedule.groups
+        self.in_flight, self.ahead = schedule.in_flight, schedule.ahead
+        self.leaving, self.last_group = schedule.leaving, schedule.last_group
+        self.group_bytes, self.moved_bytes = schedule.group_bytes, schedule.moved_bytes
+        self.between_groups, self.cpu = schedule.between_groups, cpu
+        # Whether groups are fetched before the step and go home beside the next one (the
+        # plan's `copies_beside_step`, when the step's activations leave room for them:
+        # `groups.beside_step_groups` counts them): else the update ends with every copy home.
+        self.beside_step = beside_step
+        self.most_in_flight = 0  # The most groups on the device at once, as scheduled.
+        self.most_bytes_in_flight = 0  # Their bytes (per device).
+        self.programs = GroupPrograms(optimizer, self.chunks, schedule.parts)
+        self.copies = GroupCopies(self.chunks, self.groups, ssd, slot_bytes)
+        self.moves, self.homebound = self.copies.moves, self.copies.homebound
+
+    def prefetch(self, masters: list, states: list) -> dict:
+        """Starts the first `in_flight` // 2 groups' copies to the device (arguments as
+        `__call__`'s), for `__call__`'s `fetched`: call it before dispatching the step whose
+        grads the update takes, so the copies run beside that step. The host copies stay until
+        the update reads them: an update left out (an anomalous step) loses nothing.
+
+        The runtime starts a copy only after the device work queued before it, and runs it
+        beside the work queued after it (experiments/copy_overlap_probe.py: 8 GiB down queued
+        before a 165 ms program took 167 ms in all, queued after it 319): hence these fetches
+        before the step, and the last groups' copies home beside the next one (`beside_step`)."""
+        self.homebound.delete_ready()  # The groups home leave the device before more come.
+        if not self.beside_step:
+            return {}
+        first = range(min(self.ahead, self.between_groups))
+        home = lambda g: self.copies.is_home(g, masters, states)
+        return {g: self.fetch(g, masters, states) for g in first if home(g)}
+
+    def fetch(self, g: int, masters: list, states: list):
+        """Group g on its way to the device (`GroupCopies.fetch`): the update's every fetch."""
+        return self.copies.fetch(g, masters, states)
+
     def __call__(self, *args, **kwargs):
         """Updates every chunk with its grad times `scale` (the clipping factor): `stages`
         run to its end, its result returned."""
         return self.run_out(self.stages(*args, **kwargs))
 
-    @staticmethod
-    def run_out(stages):
-        """`stages` (a generator `stages` returned) run to its end: its value."""
-        while True:
-            try:
-                next(stages)
-            except StopIteration as end:
-                return end.value
+    run_out = staticmethod(run_out)
 
     def slots(self, count: int) -> list[int]:
         """How many of `stages`' groups to dispatch after each of `count` programs that the
@@ -354,159 +435,19 @@ class StreamedUpdate:
         `prefetch` returned for these masters and states. Returns the new (masters, states,
         compute) likewise; donates `masters`, `states` and `compute`. With `into_new` the
         groups' programs leave `compute` as it was, for programs dispatched between them to
-        read: each makes its chunks' parts of the new compute copy (a layer of a stacked weight,
-        or a weight whole), which wait beside it and go into it in place once the last group is
-        dispatched. So the compute copy keeps its buffers from step to step: new ones made
-        each step at other addresses, around a microbatch's temporaries' block freed as it is
-        queued, fragment the device pool (`experiments/allocator_model.py`, a model of XLA's
-        best-fit pool fed the 8B's groups: with new buffers its fifth step finds no 37.5 GiB
-        block with 43 GiB free; in place it runs 40). A weight's grads are let go after its
-        last group.
+        read (`_NewCompute`). A weight's grads are let go after its last group.
         """
-        run = self._start(grads, scale, masters, states, compute, on_cpu, fetched, into_new)
+        run = _Run.start(self, grads, scale, masters, states, compute, on_cpu, fetched, into_new)
         # `run` holds copies of the lists: these would keep every grad alive to the end.
         del grads, masters, states, compute, on_cpu, fetched
         yield  # The first groups are on their way.
         for g in range(len(self.groups)):
-            self._update_group(run, g)
+            run.update_group(g)
             yield
-        return self._finish(run)
-
-    def _start(self, grads, scale, masters, states, compute, on_cpu, fetched, into_new):
-        """`stages`' first fetches: its run's state (`_Run`), the first groups on their way."""
-        self.homebound.delete_ready()
-        grads = list(grads)
-        # The last update's groups still on their way home (at the deque's left end).
-        older = {id(e) for e in self.homebound}
-        # The host's cores start on theirs (hybrid update) while the device works on its own.
-        if on_cpu is None:
-            on_cpu = self.start_on_cpu(grads, scale, compute)
-        fetched = dict(self.prefetch(masters, states) if fetched is None else fetched)
-        for g in range(min(self.ahead, self.between_groups)):  # Those `prefetch` left.
-            if g not in fetched:
-                fetched[g] = self.fetch(g, masters, states)
-        stacked = {c.weight for c in self.chunks if c.layer is not None}
-        masters, states = (
-            [list(x) if w in stacked else x for w, x in enumerate(tree)]
-            for tree in (masters, states)
-        )
-        # parts: weight -> [(layer, its new part)] still to write into `compute`: the device's
-        # with `into_new`, and the host cores'.
-        return _Run(
-            grads, scale, masters, states, list(compute), on_cpu, fetched, into_new, older, stacked
-        )
-
-    def _update_group(self, run: "_Run", g: int) -> None:
-        """Group g's update dispatched: fetched if it is not yet, its program run, its
-        copies home started, and the group `ahead` of it fetched."""
-        ks, n, fetched, masters, states = self.groups[g], len(self.groups), *run.trees()
-        group = [self.chunks[k] for k in ks]
-        if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
-            self.homebound.make_room(fetched, self.in_flight)
-            fetched[g] = self.fetch(g, masters, states)
-            self._count_in_flight(fetched)
-        if group[0].tier == SSD:
-            master, state = (f.result() for f in fetched.pop(g))
-            leaves = self.moves.move(ks, [[master, *jax.tree.leaves(state)]], to_device=True)
-            old = []
-        else:
-            leaves = fetched.pop(g)
-            # The caller's host copies (its state is donated), deleted once read.
-            old = self.moves.moved(ks, [self.moves.leaves(k, masters, states) for k in ks])
-            if self.slot_bytes and old:
-                # A slot's group is large: its host copies go, once copied up, before
-                # its new ones come, or the pinned pool would hold it twice (the 8B's
-                # 6 GiB groups ran it out of memory).
-                moves.wait(self.moves.moved(ks, leaves))
-                moves.delete(old)
-                old = []
-        new_masters, new_states = self._run_program(run, g, leaves)
-        outs = [[m, *jax.tree.leaves(st)] for m, st in zip(new_masters, new_states, strict=True)]
-        if group[0].tier == SSD:  # The writes hold the device outputs until written.
-            writes = list(self.ssd.put(group[0], new_masters[0], new_states[0]))
-            self.homebound.append([writes, [], [], g])
-        else:
-            device_outs = self.moves.moved(ks, outs)
-            outs = self.moves.move(ks, outs, to_device=False)
-            for k, c, x in zip(ks, group, outs, strict=True):
-                _put(masters, c, x[0])
-                _put(states, c, self.moves.state(k, x[1:]))
-            if device_outs:  # A group resident on the device has nothing on its way.
-                self.homebound.append([self.moves.moved(ks, outs), device_outs, old, g])
-        nxt = g + self.ahead
-        # The first group larger than a slot waits for the microbatches (it is fetched
-        # when its turn comes, after the last one).
-        if nxt < n and (nxt < self.between_groups or g >= self.between_groups):
-            self.homebound.make_room(fetched, self.in_flight)
-            fetched[nxt] = self.fetch(nxt, masters, states)
-        self._count_in_flight(fetched)
-
-    def _run_program(self, run: "_Run", g: int, leaves: list):
-        """Group g's program dispatched on its fetched `leaves`: its new (masters, states);
-        its new compute copy written into `run.compute`, or with `into_new` its parts kept
-        in `run.parts`. A weight's grads go after its last group."""
-        grads, compute, ks = run.grads, run.compute, self.groups[g]
-        group = [self.chunks[k] for k in ks]
-        weights = list(dict.fromkeys(c.weight for c in group))
-        layer_grads = [
-            grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
-            for c in group
-        ]
-        update = self.programs.get(ks, layer_grads, compute, run.into_new)
-        dispatch.mark(dispatch.UPDATE_GROUP)
-        new_masters, new_states, new_compute = update(
-            layer_grads,
-            [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
-            run.scale,
-            [x[0] for x in leaves],
-            [self.moves.state(k, x[1:]) for k, x in zip(ks, leaves, strict=True)],
-            [compute[w] for w in weights],
-        )
-        if run.into_new:
-            for c, x in zip(group, new_compute, strict=True):
-                run.parts[c.weight].append((c.layer, x))
-        else:
-            for w, x in zip(weights, new_compute, strict=True):
-                compute[w] = x
-        for w in weights:
-            if self._last_group[w] == g:
-                grads[w] = None  # Its arrays go once the programs reading them are done.
-        return new_masters, new_states
-
-    def _finish(self, run: "_Run"):
-        """`stages`' value: the groups left on their way home trimmed, the host cores'
-        parts and the device's (`into_new`) written into the compute copy."""
-        n = len(self.groups)
-        # This update's last groups on their way home stay on the device beside the next
-        # step, as many as the planner counts (`groups.beside_step_groups`): older ones, and
-        # the last update's (with fewer groups than that they would pile up), are waited for
-        # first, and only then the ones home meanwhile go (else an older one would stay).
-        # A group larger than a slot does not stay beside the next step's microbatch.
-        keep = self.leaving if self.beside_step and self.between_groups == n else 0
-        self.homebound.keep_last(keep, run.older)
-        self.homebound.delete_ready()
-        start = time.perf_counter()
-        for c, new in run.on_cpu:  # The host cores' parts, copied up as they are written.
-            run.parts[c.weight].append((c.layer, new.result()))
-        if self.cpu:  # Waited for the host's cores.
-            self.cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
-        compute = run.compute
-        for w, written in run.parts.items():
-            compute[w] = _write_parts(compute[w], written)
-        tuples = lambda tree: [tuple(x) if w in run.stacked else x for w, x in enumerate(tree)]
-        return tuples(run.masters), tuples(run.states), compute
-
-    def _count_in_flight(self, fetched: dict) -> None:
-        """`most_in_flight` and `most_bytes_in_flight` with the groups on the device now."""
-        on_device = [*fetched, *(e[3] for e in self.homebound)]
-        self.most_in_flight = max(self.most_in_flight, len(on_device))
-        self.most_bytes_in_flight = max(
-            self.most_bytes_in_flight, sum(self.group_bytes[h] for h in on_device)
-        )
+        return run.finish()
 
     def drain(self) -> None:
-        """Waits for every group on its way home and deletes what its copies read (before
-        the state is replaced, e.g. restored after a rollback)."""
+        """Sends off every group on its way home (`Homebound.drain`), e.g. before a rollback."""
         self.homebound.drain()
 
     def start_on_cpu(self, grads: list, scale, compute: list) -> list:
@@ -514,25 +455,153 @@ class StreamedUpdate:
         return self.cpu.update(grads, scale, compute) if self.cpu else []
 
 
+class _NewCompute:
+    """The compute copy one update makes: each group's program's written in place of the old,
+    or with `into_new` its chunks' parts (a layer of a stacked weight, or a weight whole),
+    which wait beside it and go into it in place once the last group is dispatched.
+
+    So the compute copy keeps its buffers from step to step: new ones made each step at other
+    addresses, around a microbatch's temporaries' block freed as it is queued, fragment the
+    device pool (`experiments/allocator_model.py`, a model of XLA's best-fit pool fed the 8B's
+    groups: with new buffers its fifth step finds no 37.5 GiB block with 43 GiB free; in
+    place it runs 40)."""
+
+    def __init__(self, compute: list, into_new: bool):
+        self.compute, self.into_new = list(compute), into_new
+        # Weight -> [(layer, its new part)] still to write into `compute`: the device's with
+        # `into_new`, and the host cores'.
+        self.parts = collections.defaultdict(list)
+
+    def take(self, group: list[Chunk], weights: list[int], new: list) -> None:
+        """A group's program's new compute copy (`weights`' whole, or with `into_new` its
+        chunks' parts)."""
+        if self.into_new:
+            for c, x in zip(group, new, strict=True):
+                self.parts[c.weight].append((c.layer, x))
+        else:
+            for w, x in zip(weights, new, strict=True):
+                self.compute[w] = x
+
+    def written(self, on_cpu: list, cpu) -> list:
+        """The new compute copy, the host cores' parts (`on_cpu`) and the kept ones written
+        into it."""
+        start = time.perf_counter()
+        for c, new in on_cpu:  # The host cores' parts, copied up as they are written.
+            self.parts[c.weight].append((c.layer, new.result()))
+        if cpu:  # Waited for the host's cores.
+            cpu.seconds["waited after the device's chunks"] += time.perf_counter() - start
+        for w, parts in self.parts.items():
+            self.compute[w] = _write_parts(self.compute[w], parts)
+        return self.compute
+
+
 @dataclasses.dataclass
 class _Run:
-    """One `StreamedUpdate.stages` run's state, its lists updated group by group."""
+    """One `StreamedUpdate.stages` run: its state, its lists updated group by group."""
 
+    update: StreamedUpdate
     grads: list
     scale: object
     masters: list
     states: list
-    compute: list
+    compute: _NewCompute
     on_cpu: list
     fetched: dict
-    into_new: bool
     older: set  # Ids of the last update's groups still on their way home.
     stacked: set  # The stacked weights (flat indices).
-    # Weight -> [(layer, its new part)] still to write into `compute`.
-    parts: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
 
-    def trees(self):
-        return self.fetched, self.masters, self.states
+    @classmethod
+    def start(cls, update, grads, scale, masters, states, compute, on_cpu, fetched, into_new):
+        """`stages`' first fetches: its run, the first groups on their way."""
+        update.homebound.delete_ready()
+        grads = list(grads)
+        # The last update's groups still on their way home (at the deque's left end).
+        older = {id(e) for e in update.homebound}
+        # The host's cores start on theirs (hybrid update) while the device works on its own.
+        if on_cpu is None:
+            on_cpu = update.start_on_cpu(grads, scale, compute)
+        fetched = dict(update.prefetch(masters, states) if fetched is None else fetched)
+        for g in range(min(update.ahead, update.between_groups)):  # Those `prefetch` left.
+            if g not in fetched:
+                fetched[g] = update.fetch(g, masters, states)
+        stacked = {c.weight for c in update.chunks if c.layer is not None}
+        masters, states = (
+            [list(x) if w in stacked else x for w, x in enumerate(tree)]
+            for tree in (masters, states)
+        )
+        compute = _NewCompute(compute, into_new)
+        return cls(update, grads, scale, masters, states, compute, on_cpu, fetched, older, stacked)
+
+    def update_group(self, g: int) -> None:
+        """Group g's update dispatched: fetched if it is not yet, its program run, its
+        copies home started, and the group `ahead` of it fetched."""
+        update, fetched, masters, states = self.update, self.fetched, self.masters, self.states
+        if g not in fetched:  # Larger than a slot: fetched after the last microbatch.
+            update.homebound.make_room(fetched, update.in_flight)
+            fetched[g] = update.fetch(g, masters, states)
+            self._count_in_flight()
+        leaves, old = update.copies.take_in(g, fetched.pop(g), masters, states)
+        new = self._run_program(g, leaves)
+        update.copies.send_home(g, new, masters, states, old)
+        nxt, between = g + update.ahead, update.between_groups
+        # The first group larger than a slot waits for the microbatches (it is fetched
+        # when its turn comes, after the last one).
+        if nxt < len(update.groups) and (nxt < between or g >= between):
+            update.homebound.make_room(fetched, update.in_flight)
+            fetched[nxt] = update.fetch(nxt, masters, states)
+        self._count_in_flight()
+
+    def _run_program(self, g: int, leaves: list) -> tuple[list, list]:
+        """Group g's program dispatched on its fetched `leaves`: its new (masters, states),
+        its new compute copy to `compute`. A weight's grads go after its last group."""
+        update, grads, compute, ks = self.update, self.grads, self.compute, self.update.groups[g]
+        group = [update.chunks[k] for k in ks]
+        weights = list(dict.fromkeys(c.weight for c in group))
+        layer_grads = [
+            grads[c.weight][c.layer] if isinstance(grads[c.weight], tuple) else grads[c.weight]
+            for c in group
+        ]
+        program = update.programs.get(ks, layer_grads, compute.compute, compute.into_new)
+        dispatch.mark(dispatch.UPDATE_GROUP)
+        new_masters, new_states, new_compute = program(
+            layer_grads,
+            [layer_index(c.master_sharding.mesh, c.layer or 0) for c in group],
+            self.scale,
+            [x[0] for x in leaves],
+            [update.moves.state(k, x[1:]) for k, x in zip(ks, leaves, strict=True)],
+            [compute.compute[w] for w in weights],
+        )
+        compute.take(group, weights, new_compute)
+        for w in weights:
+            if update.last_group[w] == g:
+                grads[w] = None  # Its arrays go once the programs reading them are done.
+        return new_masters, new_states
+
+    def finish(self):
+        """`stages`' value: the groups left on their way home trimmed, the host cores'
+        parts and the device's (`into_new`) written into the compute copy."""
+        update, n = self.update, len(self.update.groups)
+        # This update's last groups on their way home stay on the device beside the next
+        # step, as many as the planner counts (`groups.beside_step_groups`): older ones, and
+        # the last update's (with fewer groups than that they would pile up), are waited for
+        # first, and only then the ones home meanwhile go (else an older one would stay).
+        # A group larger than a slot does not stay beside the next step's microbatch.
+        keep = update.leaving if update.beside_step and update.between_groups == n else 0
+        update.homebound.keep_last(keep, self.older)
+        update.homebound.delete_ready()
+        compute = self.compute.written(self.on_cpu, update.cpu)
+        tuples = lambda tree: [tuple(x) if w in self.stacked else x for w, x in enumerate(tree)]
+        return tuples(self.masters), tuples(self.states), compute
+
+    def _count_in_flight(self) -> None:
+        """The update's `most_in_flight` and `most_bytes_in_flight` with the groups on the
+        device now."""
+        update = self.update
+        on_device = [*self.fetched, *(e[3] for e in update.homebound)]
+        update.most_in_flight = max(update.most_in_flight, len(on_device))
+        update.most_bytes_in_flight = max(
+            update.most_bytes_in_flight, sum(update.group_bytes[h] for h in on_device)
+        )
 
 
 def _put(tree: list, c: Chunk, value) -> None:
