@@ -46,7 +46,7 @@ def group_chunks(
 ) -> list[list[int]]:
     """The streamed update's groups (lists of chunk indices): consecutive chunks of one tier
     and one part of the params (`chunk_part`: unrolled layers' groups alike, so that they
-    share their update's program, `StreamedUpdate._fn`), each group of at most
+    share their update's program, `GroupPrograms`), each group of at most
     `MOST_CHUNKS_A_GROUP` chunks and, unless every chunk is in flight, `MOST_BYTES_A_GROUP`
     bytes (a larger chunk is a group of its own) and the bytes of the smallest of the largest
     chunks `in_flight_bytes` counts (the larger of its ahead and leaving), so that any such

@@ -273,8 +273,8 @@ def replay_pool(
     steps (`arrays.steps`, at most `_POOL_STEPS`), each holding its host arrays while it runs,
     then the streamed update. The update brings a group's new arrays home (its program's
     outputs, copied into new host buffers) before its old ones go: they go when the group is
-    sent off (`StreamedUpdate._make_room`, and at the update's end but for the groups left on
-    their way home), taken as no earlier (its `_delete_ready` frees them only if their copies
+    sent off (`GroupCopies.send_home`, and at the update's end but for the groups left on
+    their way home), taken as no earlier (`Homebound.delete_ready` frees them only if their copies
     are done by then). Left out: the runtime's own small transfers through the pool (batches,
     metrics), and the hybrid update's and the SSD tier's copies."""
     pool = PinnedPool(cap, preallocated)
