@@ -1,6 +1,6 @@
 """The gradients of a batch, in the ZeRO grad layout: in one pass, summed over microbatches,
 through the pipeline's schedule, or per data-parallel replica and averaged by PowerSGD.
-Streamed layers' grads stay in host memory (`Gradients.constrain`). Under LoRA only the
+Streamed layers' grads stay in host memory (`GradLayout.constrain`). Under LoRA only the
 adapters are differentiated: the frozen base weights get no grads at all."""
 
 import dataclasses
@@ -61,6 +61,7 @@ class Gradients:
 
     def __init__(self, loss: TrainingLoss, setup: GradSetup):
         self.loss, self.setup = loss, setup
+        self.layout = GradLayout(setup)
 
     def loss_and_grads(self, params, batch_BT1: jax.Array, step: jax.Array | None = None):
         """Mean loss, metrics and grads over the batch (at `step`: LoRA dropout's keys).
@@ -68,7 +69,8 @@ class Gradients:
         streamed layers' grads in host memory (stacked, or one array per layer when
         accumulated)."""
         if self.setup.pipeline:
-            return self._pipeline(params, batch_BT1)
+            metrics, grads = _pipeline_grads(self.loss, self.setup, params, batch_BT1)
+            return metrics, self.constrain(grads)
         micro = self.setup.microbatches
         keys = self._dropout_keys(step)
         if micro == 1:
@@ -112,7 +114,7 @@ class Gradients:
         """(metrics, grads) sums before the first microbatch (`params` and `mb`, a microbatch,
         as arrays or shapes): zeros, the grads in float32."""
         shapes = jax.eval_shape(lambda p, b: self.loss(p, b)[1], params, mb)
-        return jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes), self._zeros()
+        return jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), shapes), self.layout.zeros()
 
     def _add_microbatch(self, params, mb, sums, dropout_key=None):
         """`sums` (metrics, float32 grads) with microbatch `mb`'s, its grads over the number
@@ -120,7 +122,8 @@ class Gradients:
         with lora.dropout_key(dropout_key):
             (_, metrics), grads = self._grad_fn(params, mb)
         acc_metrics, acc_grads = sums
-        grads = self._accumulate(acc_grads, self.constrain(grads), 1.0 / self.setup.microbatches)
+        scale = 1.0 / self.setup.microbatches
+        grads = self.layout.accumulate(acc_grads, self.constrain(grads), scale)
         return jax.tree.map(jnp.add, acc_metrics, metrics), grads
 
     def add_microbatch(self, params, batch_BT1: jax.Array, j: jax.Array, sums):
@@ -134,39 +137,27 @@ class Gradients:
         """Summed microbatch metrics as the batch's means."""
         return jax.tree.map(lambda m: m / self.setup.microbatches, metrics)
 
-    def _pipeline(self, params, batch_BT1: jax.Array):
-        """`loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
-        j + m, ... (float32 grads)."""
-        pipe = self.setup.pipeline
-        inputs_BT, targets_BT = self.loss.inputs_and_targets(batch_BT1)
-        m = pipe.microbatches
-        micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
-        cfg, z_loss, pieces = pipe.model_config, pipe.z_loss, pipe.pieces
+    @property
+    def streamed(self):
+        """Like `setup.stacked`: the weights whose compute copy and grads live in host memory."""
+        return self.layout.streamed
 
-        def head_loss(shared, h_BTD, targets_BT):
-            h_BTD = pieces.final_norm(cfg, shared, h_BTD)
-            logits = pieces.lm_head(cfg, shared)(h_BTD).astype(jnp.float32)
-            logits = sharding.constrain(logits, ("batch", "length", "vocab"))
-            return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
+    def constrain(self, grads):
+        """Grads (or their float32 sums) in the ZeRO grad layout (`GradLayout.constrain`)."""
+        return self.layout.constrain(grads)
 
-        fns = StageFunctions(
-            functools.partial(pieces.embed, cfg), functools.partial(pieces.layer, cfg), head_loss
-        )
-        shared = {name: p for name, p in params.items() if name != "layers"}
-        metrics, layer_grads, shared_grads = pipeline_grads(
-            pipe.plan.schedule,
-            pipe.plan.layout,
-            fns,
-            self.setup.mesh,
-            params["layers"],
-            shared,
-            micro(inputs_BT),
-            micro(targets_BT),
-            sharding.active_spec(("batch", "norm_length", "embed")),
-            jax.tree.map(lambda s: s.spec, self.setup.grad_sharding),
-        )
-        metrics.pop("objective")
-        return metrics, self.constrain({**shared_grads, "layers": layer_grads})
+    def powersgd(self, state, batch_BT1: jax.Array):
+        """(metrics, grads, new PowerSGD state): each replica's grads on its rows of the batch,
+        averaged through PowerSGD (`_powersgd_grads`)."""
+        return _powersgd_grads(self._grad_fn, self.setup, state, batch_BT1)
+
+
+class GradLayout:
+    """Where grads and their float32 sums live, apart from the loss they are of: the ZeRO
+    grad layout on the device, streamed layers' in host memory."""
+
+    def __init__(self, setup: GradSetup):
+        self.setup = setup
 
     @functools.cached_property
     def streamed(self):
@@ -184,7 +175,7 @@ class Gradients:
             grads,
         )
 
-    def _zeros(self):
+    def zeros(self):
         """Float32 zeros to accumulate grads into; a streamed weight's one per layer on host."""
 
         def zeros(p, host):
@@ -195,7 +186,7 @@ class Gradients:
 
         return self.constrain(jax.tree.map(zeros, self.setup.abstract_params, self.streamed))
 
-    def _accumulate(self, acc, grads, scale: float):
+    def accumulate(self, acc, grads, scale: float):
         """acc + scale * grads in float32; streamed layers' sums stay in host memory, a layer
         at a time on the device."""
         if not self.setup.streams_params:
@@ -211,31 +202,62 @@ class Gradients:
         done = pipelined(add, [c[1:] for c in chunks], self.setup.chunks_in_flight)
         return self.constrain(regroup(done, layers, treedef)[0])
 
-    def powersgd(self, state, batch_BT1: jax.Array):
-        """(metrics, grads, new PowerSGD state): each replica's grads on its rows of the batch
-        (the mesh has no other split axis), averaged through PowerSGD's low-rank factors
-        instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early grads
-        are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
-        grad_fn = self._grad_fn
-        start, powersgd, stacked = (
-            self.setup.powersgd_start_step,
-            self.setup.powersgd,
-            self.setup.stacked,
-        )
 
-        def per_replica(step, params, comm, batch):
-            with sharding.no_rules():
-                (_, metrics), grads = grad_fn(params, batch)
-            compressed = lambda: powersgd.average(grads, comm, stacked)
-            exact = lambda: (jax.lax.pmean(grads, "data"), comm)
-            grads, comm = jax.lax.cond(step >= start, compressed, exact)
-            return jax.lax.pmean(metrics, "data"), grads, comm
+def _pipeline_grads(loss: TrainingLoss, setup: GradSetup, params, batch_BT1: jax.Array):
+    """`Gradients.loss_and_grads` through the pipeline's schedule, microbatch j taking rows j,
+    j + m, ... (float32 grads, not yet in the grad layout)."""
+    pipe = setup.pipeline
+    inputs_BT, targets_BT = loss.inputs_and_targets(batch_BT1)
+    m = pipe.microbatches
+    micro = lambda x_BT: x_BT.reshape(x_BT.shape[0] // m, m, -1).swapaxes(0, 1)
+    cfg, z_loss, pieces = pipe.model_config, pipe.z_loss, pipe.pieces
 
-        comm_specs = jax.tree.map(lambda s: s.spec, self.setup.comm_sharding)
-        return jax.shard_map(
-            per_replica,
-            mesh=self.setup.mesh,
-            in_specs=(P(), P(), comm_specs, P("data")),
-            out_specs=(P(), P(), comm_specs),
-            check_vma=False,
-        )(state.step, state.params, state.comm, batch_BT1)
+    def head_loss(shared, h_BTD, targets_BT):
+        h_BTD = pieces.final_norm(cfg, shared, h_BTD)
+        logits = pieces.lm_head(cfg, shared)(h_BTD).astype(jnp.float32)
+        logits = sharding.constrain(logits, ("batch", "length", "vocab"))
+        return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
+
+    fns = StageFunctions(
+        functools.partial(pieces.embed, cfg), functools.partial(pieces.layer, cfg), head_loss
+    )
+    shared = {name: p for name, p in params.items() if name != "layers"}
+    metrics, layer_grads, shared_grads = pipeline_grads(
+        pipe.plan.schedule,
+        pipe.plan.layout,
+        fns,
+        setup.mesh,
+        params["layers"],
+        shared,
+        micro(inputs_BT),
+        micro(targets_BT),
+        sharding.active_spec(("batch", "norm_length", "embed")),
+        jax.tree.map(lambda s: s.spec, setup.grad_sharding),
+    )
+    metrics.pop("objective")
+    return metrics, {**shared_grads, "layers": layer_grads}
+
+
+def _powersgd_grads(grad_fn, setup: GradSetup, state, batch_BT1: jax.Array):
+    """(metrics, grads, new PowerSGD state): each replica's grads (`grad_fn`'s) on its rows of
+    the batch (the mesh has no other split axis), averaged through PowerSGD's low-rank
+    factors instead of XLA's all-reduce; exactly before `train.powersgd_start_step` (early
+    grads are the least low-rank, as PyTorch's PowerSGD hook also assumes)."""
+    start, powersgd, stacked = setup.powersgd_start_step, setup.powersgd, setup.stacked
+
+    def per_replica(step, params, comm, batch):
+        with sharding.no_rules():
+            (_, metrics), grads = grad_fn(params, batch)
+        compressed = lambda: powersgd.average(grads, comm, stacked)
+        exact = lambda: (jax.lax.pmean(grads, "data"), comm)
+        grads, comm = jax.lax.cond(step >= start, compressed, exact)
+        return jax.lax.pmean(metrics, "data"), grads, comm
+
+    comm_specs = jax.tree.map(lambda s: s.spec, setup.comm_sharding)
+    return jax.shard_map(
+        per_replica,
+        mesh=setup.mesh,
+        in_specs=(P(), P(), comm_specs, P("data")),
+        out_specs=(P(), P(), comm_specs),
+        check_vma=False,
+    )(state.step, state.params, state.comm, batch_BT1)

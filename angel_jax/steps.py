@@ -1,8 +1,9 @@
 """The train step, in one of three forms behind one signature, chosen by the ZeRO-Cache plan:
 `DeviceStep` (masters and optimizer state on the device: one compiled program),
 `OffloadedStep` (the optimizer state in host memory or on SSD: a compiled forward/backward,
-then the streamed update of every chunk) and `InStepUpdate` (config.offload.update_in_step:
-the offloaded update inside the forward/backward's program). Each gives `train_step(state,
+then the streamed update of every chunk, `offloaded_update.py`) and `InStepUpdate`
+(config.offload.update_in_step: the offloaded update inside the forward/backward's program).
+Each gives `train_step(state,
 batch) -> (state, metrics)` and `guarded_train_step(state, batch, loss ceiling)`, which drops
 an anomalous step's update (`monitor.is_anomalous`). Each takes a `StepSetup` (`train.build`
 fills it), the grads from its `grads` (angel_jax/grads.py) each way.
@@ -27,6 +28,7 @@ from angel_jax.family import Pieces
 from angel_jax.grads import Gradients
 from angel_jax.monitor import is_anomalous, skip_if_anomalous
 from angel_jax.offload.stream import Chunk, StreamedUpdate, global_norm, layer_index, update_in_step
+from angel_jax.offloaded_update import OffloadedUpdate, as_flat, from_flat
 from angel_jax.optim import Optimizer
 from angel_jax.optim.powersgd import PowerSGD
 from angel_jax.state_layout import TrainState
@@ -80,7 +82,6 @@ class Step:
         self.setup = setup
         self.replicated = NamedSharding(setup.mesh, P())
         self._ceiling = {}  # The loss ceiling's device copy, made again only when it changes.
-        self.pending = None  # An update that waits (`OffloadedStep`'s delayed update).
         # The last checked program's temporaries beyond the plan's estimate (`setup.check`).
         self.beyond_estimate = 0
 
@@ -118,8 +119,7 @@ class Step:
         return state
 
     def discard(self) -> None:
-        """Drops an update still waiting (a rollback's)."""
-        self.pending = None
+        """Drops an update still waiting (a rollback's): only `OffloadedStep` keeps one."""
 
     def ceiling_array(self, ceiling: float) -> jax.Array:
         value = np.float32(min(ceiling, np.finfo(np.float32).max))
@@ -222,40 +222,50 @@ class _Offloaded(Step):
 
     def flat(self, tree) -> list:
         """`tree` as the streamed update's flat list over the params' leaves."""
-        return jax.tree.structure(self.setup.stacked).flatten_up_to(tree)
+        return as_flat(self.setup.stacked, tree)
 
     def unflat(self, step, flat_trees, comm=None) -> TrainState:
         """The train state at `step` from the streamed update's flat (masters, states,
         compute copy)."""
-        treedef = jax.tree.structure(self.setup.stacked)
-        return TrainState(step, *(treedef.unflatten(t) for t in flat_trees), comm)
+        return from_flat(self.setup.stacked, step, flat_trees, comm)
 
 
-class _BetweenMicrobatches:
-    """`OffloadedStep`'s step a microbatch at a time, for a delayed update dispatched between
-    the next step's microbatches (`Plan.update_between_microbatches`): a program a
-    microbatch adding its grads to float32 sums, and one that ends the step."""
+def _finish_grads(s: StepSetup, step: jax.Array, metrics, grads):
+    """`OffloadedStep.grads_of_batch`'s result from the batch's metrics and grads: (step + 1,
+    grads, their clipping scale, metrics with the grad norm and learning rate), traced."""
+    norm = global_norm(grads, s.stacked, s.offload.chunks_in_flight)
+    metrics.update(grad_norm=norm, lr=s.learning_rate(step))
+    return step + 1, grads, s.optimizer.clip_scale(norm), metrics
+
+
+class MicrobatchPrograms:
+    """The programs of `OffloadedStep`'s step a microbatch at a time: one adds a microbatch's
+    grads to float32 sums, one ends the step from the sums. They depend on the setup alone;
+    the step dispatches them and checks them against the plan."""
+
+    def __init__(self, setup: StepSetup, replicated: NamedSharding):
+        self.setup, self.replicated = setup, replicated
 
     @functools.cached_property
-    def _sums_sharding(self):
+    def sums_sharding(self):
         """The microbatch sums' (metrics, float32 grads) shardings."""
         return (self.replicated, self.setup.grad_sharding)
 
     @functools.cached_property
-    def _sums_shapes(self):
+    def sums_shapes(self):
         s = self.setup
         rows, width = s.batch_shape
         mb = jax.ShapeDtypeStruct((rows // s.microbatches, width), jnp.int32)
-        with self.rules():
+        with sharding.use_rules(s.mesh, s.rules):
             shapes = jax.eval_shape(s.grads.zero_sums, s.abstract_state.compute_params, mb)
         return jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
             shapes,
-            jax.tree.broadcast(self._sums_sharding, shapes),
+            jax.tree.broadcast(self.sums_sharding, shapes),
         )
 
     @functools.cached_property
-    def _microbatch_jitted(self):
+    def microbatch_jitted(self):
         """(compute params, batch, j, sums) -> sums with microbatch j's (donated)."""
         s = self.setup
         return jax.jit(
@@ -264,46 +274,53 @@ class _BetweenMicrobatches:
                 s.state_sharding.compute_params,
                 s.batch_sharding,
                 self.replicated,
-                self._sums_sharding,
+                self.sums_sharding,
             ),
-            out_shardings=self._sums_sharding,
+            out_shardings=self.sums_sharding,
             donate_argnums=3,
         )
 
     @functools.cached_property
-    def _zero_sums(self):
+    def zero_sums(self):
         def zero_sums():  # Named: a profile or an error names the program by it.
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._sums_shapes)
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.sums_shapes)
 
-        return jax.jit(zero_sums, out_shardings=self._sums_sharding)
-
-    @functools.cached_property
-    def _finish_jitted(self):
-        """(step, sums) -> `grads_of_batch`'s result but the grads (the sums' own, not passed
-        through: a program's output that only aliases its input is one more way to copy it)."""
-
-        def finish(step, sums):
-            metrics, grads = sums
-            step, _, scale, metrics = self._finish(
-                step, self.setup.grads.mean_metrics(metrics), grads
-            )
-            return step, scale, metrics
-
-        sharded = self.replicated
-        return jax.jit(
-            finish, in_shardings=(sharded, self._sums_sharding), out_shardings=(sharded,) * 3
-        )
+        return jax.jit(zero_sums, out_shardings=self.sums_sharding)
 
     @functools.cached_property
     def finish_lowered(self) -> jax.stages.Lowered:
-        """The program that ends the step, lowered from shapes."""
-        with self.rules():
-            return self._finish_jitted.lower(self.setup.abstract_state.step, self._sums_shapes)
+        """(step, sums) -> `grads_of_batch`'s result but the grads (the sums' own, not passed
+        through: a program's output that only aliases its input is one more way to copy it),
+        lowered from shapes."""
+        s = self.setup
+
+        def finish(step, sums):
+            metrics, grads = sums
+            step, _, scale, metrics = _finish_grads(s, step, s.grads.mean_metrics(metrics), grads)
+            return step, scale, metrics
+
+        sharded = self.replicated
+        jitted = jax.jit(
+            finish, in_shardings=(sharded, self.sums_sharding), out_shardings=(sharded,) * 3
+        )
+        with sharding.use_rules(s.mesh, s.rules):
+            return jitted.lower(s.abstract_state.step, self.sums_shapes)
+
+
+class _BetweenMicrobatches:
+    """`OffloadedStep`'s step a microbatch at a time, for a delayed update dispatched between
+    the next step's microbatches (`Plan.update_between_microbatches`): the programs of
+    `MicrobatchPrograms` dispatched, the one that ends the step checked against the plan."""
+
+    @functools.cached_property
+    def microbatch_programs(self) -> MicrobatchPrograms:
+        """The programs dispatched a microbatch at a time, made at their first use."""
+        return MicrobatchPrograms(self.setup, self.replicated)
 
     @functools.cached_property
     def finish_compiled(self) -> jax.stages.Compiled:
         """`finish_program` before its memory is checked against the plan."""
-        return self.finish_lowered.compile()
+        return self.microbatch_programs.finish_lowered.compile()
 
     @functools.cached_property
     def finish_program(self) -> jax.stages.Compiled:
@@ -322,7 +339,8 @@ class _BetweenMicrobatches:
         if not super().reuse_program(other):
             return False
         finish = self.between_microbatches and getattr(other, "between_microbatches", False)
-        if finish and self.finish_lowered.as_text() == other.finish_lowered.as_text():
+        text = lambda form: form.microbatch_programs.finish_lowered.as_text()
+        if finish and text(self) == text(other):
             self.finish_compiled = other.finish_compiled
         return True
 
@@ -330,7 +348,7 @@ class _BetweenMicrobatches:
         """`grads_of_batch` dispatched a program a microbatch, `between(j)` called after
         microbatch j's."""
         microbatch = self.program  # Checked against the plan.
-        sums = self._zero_sums()
+        sums = self.microbatch_programs.zero_sums()
         for j in range(self.setup.microbatches):
             dispatch.mark(dispatch.MICROBATCH)
             sums = microbatch(compute_params, batch_BT1, layer_index(self.setup.mesh, j), sums)
@@ -341,100 +359,48 @@ class _BetweenMicrobatches:
     def _beside_microbatches(self, state: TrainState, batch_BT1, fetched):
         """`grad_step` on `batch_BT1` with the waiting update dispatched between its
         microbatches: (step + 1, grads, clipping scale, metrics, the updated state)."""
-        (grads, scale, on_cpu), self.pending = self.pending, None
-        update = self.streamed
-        stages = update.stages(
-            # The grads' only reference: a weight's go after its last group.
-            self.flat(grads),
-            scale,
-            *(self.flat(t) for t in (state.params, state.opt_state, state.compute_params)),
-            on_cpu=on_cpu,
-            fetched=fetched,
-            into_new=True,
-        )
-        del grads
-        next(stages)  # The first groups on their way, before the first microbatch.
-        slots = update.slots(self.setup.microbatches - 1)
-
-        def between(j):  # The last microbatch's copies have nothing to run beside.
-            for _ in range(slots[j] if j < len(slots) else 0):
-                next(stages)
-
+        micro = self.setup.microbatches
+        between, updated = self.updater.between_microbatches(state, fetched, micro)
         out = self._microbatched(state.step, state.compute_params, batch_BT1, between)
-        return *out, self.unflat(state.step, update.run_out(stages))
+        return *out, updated()
 
 
 class OffloadedStep(_BetweenMicrobatches, _Offloaded):
     """A compiled forward/backward (`grad_step`), then the streamed update of the offloaded
-    state (`apply`). The guarded step reads the loss and grad norm on the host (one sync a
-    step) before the update, which it leaves out when they are anomalous.
-
-    With config.offload.delayed_update the update of step t's grads waits (`pending`): the
-    host cores' share starts at once (its grads' copies down queued before step t+1, so they
-    and the host's update run beside it), and the device's share runs after step t+1's
-    forward/backward is dispatched (queued behind it); `settle` finishes a waiting update
-    (before a checkpoint).
+    state (`apply`; `OffloadedUpdate`, which with config.offload.delayed_update keeps the
+    update of step t's grads waiting for step t+1's forward/backward, and fetches the
+    update's first chunks before it is dispatched). The guarded step reads the loss and grad
+    norm on the host (one sync a step) before the update, which it leaves out when they are
+    anomalous.
 
     With microbatches the plan may run the waiting update between step t+1's microbatches
     instead (`Plan.update_between_microbatches`): the forward/backward is then one program a
     microbatch, and the update's groups are dispatched between them (`StreamedUpdate.slots`),
-    so that their copies each way and their kernels run beside the microbatches'. The update
-    writes the new compute copy into new arrays, which the step's microbatches do not read:
-    step t+1 computes on the weights without step t's update, as the delay asks.
-
-    Either way the update's first chunks are fetched (`StreamedUpdate.prefetch`) before the
-    forward/backward is dispatched, so their copies run beside it."""
+    so that their copies each way and their kernels run beside the microbatches'."""
 
     def __init__(self, setup: StepSetup):
         super().__init__(setup)
-        # pending: (grads, clipping scale, the host's share as started).
-        self.delayed = self.offload.delayed
         self.between_microbatches = self.offload.between_microbatches
+        self.updater = OffloadedUpdate(
+            self.streamed, setup.stacked, self.offload.delayed, setup.mesh, setup.rules
+        )
 
     def settle(self, state: TrainState, fetched=None) -> TrainState:
-        if self.pending is None:
-            return state
-        (grads, scale, on_cpu), self.pending = self.pending, None
-        with self.rules():
-            return self.apply(state, state.step, grads, scale, on_cpu, fetched)
-
-    def _prefetch(self, state: TrainState):
-        """The next update's first chunks on their way to the device (the waiting update's if
-        delayed): called before a forward/backward is dispatched."""
-        if self.delayed and self.pending is None:
-            return None
-        flat = (self.flat(t) for t in (state.params, state.opt_state))
-        return self.streamed.prefetch(*flat)
+        return self.updater.settle(state, fetched)
 
     def discard(self) -> None:
-        # The host's share runs on: let it finish before the restore writes its chunks.
-        for _, done in self.pending[2] if self.pending else []:
-            done.result()
-        self.pending = None
-        self.streamed.drain()  # The old state's copies home, before it goes.
+        self.updater.discard()
 
-    def _update(self, state: TrainState, step, grads, scale, fetched) -> TrainState:
-        """`apply` now, or (delayed) the update made the pending one, its host share started."""
-        if not self.delayed:
-            return self.apply(state, step, grads, scale, fetched=fetched)
-        update = self.streamed
-        on_cpu = update.start_on_cpu(self.flat(grads), scale, self.flat(state.compute_params))
-        self.pending = (grads, scale, on_cpu)
-        return state.replace(step=step)
+    def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
+        """The offloaded state after its streamed update with `grads` (`OffloadedUpdate.apply`)."""
+        return self.updater.apply(state, step, grads, scale, on_cpu, fetched)
 
     def grads_of_batch(self, step: jax.Array, compute_params, batch_BT1: jax.Array):
         """(step + 1, grads, their clipping scale, metrics), traced. The compute copy gives
         the same grads as the masters would (the model casts them to the compute dtype either
         way), in the compute dtype."""
         metrics, grads = self.setup.grads.loss_and_grads(compute_params, batch_BT1)
-        return self._finish(step, metrics, grads)
-
-    def _finish(self, step: jax.Array, metrics, grads):
-        """`grads_of_batch`'s result from the batch's metrics and grads."""
-        s = self.setup
-        norm = global_norm(grads, s.stacked, self.offload.chunks_in_flight)
-        metrics.update(grad_norm=norm, lr=s.learning_rate(step))
-        return step + 1, grads, s.optimizer.clip_scale(norm), metrics
+        return _finish_grads(self.setup, step, metrics, grads)
 
     @functools.cached_property
     def program_lowered(self) -> jax.stages.Lowered:
@@ -443,8 +409,9 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
         state = s.abstract_state
         if self.between_microbatches:
             j = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-            args = (state.compute_params, self.abstract_batch(), j, self._sums_shapes)
-            jitted = self._microbatch_jitted
+            sums = self.microbatch_programs.sums_shapes
+            args = (state.compute_params, self.abstract_batch(), j, sums)
+            jitted = self.microbatch_programs.microbatch_jitted
         else:
             args = (state.step, state.compute_params, self.abstract_batch())
             jitted = jax.jit(
@@ -473,13 +440,6 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
         microbatch (`_microbatched`)."""
         return self._microbatched if self.between_microbatches else self.program
 
-    def apply(self, state: TrainState, step, grads, scale, on_cpu=None, fetched=None):
-        """The offloaded state after its streamed update with `grads` (`state` is donated;
-        `on_cpu`: its host share, if started already; `fetched`: its prefetched chunks)."""
-        flat = [self.flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
-        new = self.streamed(flat[0], scale, *flat[1:], on_cpu=on_cpu, fetched=fetched)
-        return self.unflat(step, new)
-
     def lowered(self):
         raise ConfigError("lowered_train_step: the offloaded step is not one program")
 
@@ -489,16 +449,16 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
 
         def run(state, batch):
             with self.rules():
-                fetched = self._prefetch(state)
+                fetched = self.updater.prefetch(state)
                 step, grads, scale, metrics, state = self._grad_step_settled(state, batch, fetched)
-                return self._update(state, step, grads, scale, fetched), metrics
+                return self.updater.after_step(state, step, grads, scale, fetched), metrics
 
         return run
 
     def _grad_step_settled(self, state: TrainState, batch_BT1, fetched):
         """`grad_step`'s result and the state with a waiting (delayed) update applied: queued
         behind this step's compute, or between its microbatches."""
-        if self.pending is not None and self.between_microbatches:
+        if self.updater.pending is not None and self.between_microbatches:
             return self._beside_microbatches(state, batch_BT1, fetched)
         out = self.grad_step(state.step, state.compute_params, batch_BT1)
         return *out, self.settle(state, fetched)
@@ -509,7 +469,7 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
 
         def run(state, batch, ceiling):
             with self.rules():
-                fetched = self._prefetch(state)
+                fetched = self.updater.prefetch(state)
                 # Delayed: the last step's update, before this one's loss is read.
                 step, grads, scale, metrics, state = self._grad_step_settled(state, batch, fetched)
                 loss, norm = (
@@ -519,7 +479,7 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
                 metrics["skipped"] = np.int32(not ok)
                 if not ok:  # Prefetched chunks are dropped: their host copies stay.
                     return state.replace(step=step), metrics
-                return self._update(state, step, grads, scale, fetched), metrics
+                return self.updater.after_step(state, step, grads, scale, fetched), metrics
 
         return run
 
@@ -531,20 +491,64 @@ class OffloadedStep(_BetweenMicrobatches, _Offloaded):
 COPIES_IN_FLIGHT = {"xla_gpu_experimental_parallel_async_compute_limit": 8}
 
 
+def _speculating(compiled, exact, grad_clip: float, redo):
+    """The speculating step: the compiled step, then its speculation checked (one sync a
+    step). When the step clipped, its update is made again from the old state with the
+    clipped grads (`redo(state, step, grads, scale)`: the streamed update, after the step);
+    when it was anomalous, the old state stays. metrics["update_redone"] is 1 for a step
+    updated again.
+
+    A step after one that clipped runs the exact program instead (`exact()`), which waits
+    for the norm but pays no redo (for llama_1b about 13% less than a speculated step
+    redone), until a step does not clip: norms change little from one step to the next.
+    metrics["speculated"] says which program ran."""
+    clip = np.float32(grad_clip)  # As the step compares its norm.
+    clipped = False  # Whether the last step clipped: the next runs `exact`.
+
+    def run(state, batch, *ceiling):
+        nonlocal clipped
+        if clipped:
+            new, metrics = exact()(state, batch, *ceiling)
+            norm, skipped = jax.device_get((metrics["grad_norm"], metrics.get("skipped", 0)))
+            clipped = bool(norm > clip and not skipped)
+            metrics.update(speculated=np.int32(0), update_redone=np.int32(0))
+            return new, metrics
+        new, metrics, (grads, scale, held) = compiled(state, batch, *ceiling)
+        metrics["speculated"] = np.int32(1)
+        if jax.device_get(held):
+            metrics["update_redone"] = np.int32(0)
+            # The old state goes, as a donated one would (JAX may pass an unchanged
+            # input through as an output: those stay).
+            kept = {id(x) for x in jax.tree.leaves(new)}
+            for x in jax.tree.leaves(state):
+                if id(x) not in kept:
+                    x.delete()
+            return new, metrics
+        step, new = new.step, None  # The speculated state goes.
+        skipped = bool(ceiling) and bool(jax.device_get(metrics["skipped"]))
+        metrics["update_redone"] = np.int32(not skipped)
+        clipped = not skipped  # An anomalous step says nothing of the next one's norm.
+        if skipped:
+            return state.replace(step=step), metrics
+        return redo(state, step, grads, scale), metrics
+
+    return run
+
+
 class _Speculation:
     """`InStepUpdate`'s speculating step (config.offload.speculative_update): every chunk
     updated as if the step neither clips nor is anomalous, the speculation checked after the
-    step (`_validated`), and the exact program that follows a step that clipped."""
+    step (`_speculating`), and the exact program that follows a step that clipped."""
 
     @property
     def runs_exact_steps(self) -> bool:
-        """Whether a speculating step may be followed by exact ones (`_validated`): when it
+        """Whether a speculating step may be followed by exact ones (`_speculating`): when it
         can clip."""
         return self.speculative and self.setup.grad_clip > 0
 
     @functools.cached_property
     def exact_lowered(self) -> jax.stages.Lowered:
-        """The exact step that follows a clipped speculating one (`_validated`)."""
+        """The exact step that follows a clipped speculating one (`_speculating`)."""
         return self._lowered(self.guarded, speculate=False)
 
     @functools.cached_property
@@ -556,50 +560,61 @@ class _Speculation:
         one when none speculated (each followed a clipped step), else `program`."""
         return self.exact_compiled if speculated and not any(speculated) else self.program
 
-    def _validated(self, compiled, exact):
-        """The speculating step: the compiled step, then its speculation checked (one sync a
-        step). When the step clipped, its update is made again from the old state with the
-        clipped grads (the streamed update, after the step); when it was anomalous, the old
-        state stays. metrics["update_redone"] is 1 for a step updated again.
+    def _exact(self, guarded: bool):
+        """() -> the exact program of the step's `guarded` form (`_speculating`'s `exact`),
+        compiled and checked against the plan at its first use."""
 
-        A step after one that clipped runs the exact program instead (`exact()`), which waits
-        for the norm but pays no redo (for llama_1b about 13% less than a speculated step
-        redone), until a step does not clip: norms change little from one step to the next.
-        metrics["speculated"] says which program ran."""
-        clip = np.float32(self.setup.grad_clip)  # As the step compares its norm.
-        clipped = False  # Whether the last step clipped: the next runs `exact`.
+        @functools.cache  # The loop's own form was compiled with `program`.
+        def exact():
+            if guarded == self.guarded:
+                return self.exact_compiled
+            lowered = self._lowered(guarded, speculate=False)
+            return self.checked(lowered.compile(compiler_options=COPIES_IN_FLIGHT))
 
-        def run(state, batch, *ceiling):
-            nonlocal clipped
-            if clipped:
-                new, metrics = exact()(state, batch, *ceiling)
-                norm, skipped = jax.device_get((metrics["grad_norm"], metrics.get("skipped", 0)))
-                clipped = bool(norm > clip and not skipped)
-                metrics.update(speculated=np.int32(0), update_redone=np.int32(0))
-                return new, metrics
-            new, metrics, (grads, scale, held) = compiled(state, batch, *ceiling)
-            metrics["speculated"] = np.int32(1)
-            if jax.device_get(held):
-                metrics["update_redone"] = np.int32(0)
-                # The old state goes, as a donated one would (JAX may pass an unchanged
-                # input through as an output: those stay).
-                kept = {id(x) for x in jax.tree.leaves(new)}
-                for x in jax.tree.leaves(state):
-                    if id(x) not in kept:
-                        x.delete()
-                return new, metrics
-            step, new = new.step, None  # The speculated state goes.
-            skipped = bool(ceiling) and bool(jax.device_get(metrics["skipped"]))
-            metrics["update_redone"] = np.int32(not skipped)
-            clipped = not skipped  # An anomalous step says nothing of the next one's norm.
-            if skipped:
-                return state.replace(step=step), metrics
-            flat = [self.flat(t) for t in (state.params, state.opt_state, state.compute_params)]
-            with self.rules():
-                new = self.streamed(self.flat(grads), scale, *flat)
-            return self.unflat(step, new, state.comm), metrics
+        return exact
 
-        return run
+    def _redo(self, state: TrainState, step, grads, scale) -> TrainState:
+        """A clipped speculating step's update made again from the old `state` with the
+        clipped grads: the streamed update, after the step."""
+        flat = [self.flat(t) for t in (state.params, state.opt_state, state.compute_params)]
+        with self.rules():
+            new = self.streamed(self.flat(grads), scale, *flat)
+        return self.unflat(step, new, state.comm)
+
+
+def _updated_in_step(
+    s: StepSetup, chunks: list[Chunk], order, state, batch_BT1, ceiling, speculate
+):
+    """`InStepUpdate.update`, traced: the grads, their global norm, and every chunk's update
+    (`stream.update_in_step`), which waits for the norm unless it speculates."""
+    metrics, grads = s.grads.loss_and_grads(state.compute_params, batch_BT1)
+    in_flight = s.offload.chunks_in_flight
+    norm = global_norm(grads, s.stacked, in_flight)
+    ok, scale = None, s.optimizer.clip_scale(norm)
+    if ceiling is not None:
+        skipped = is_anomalous(metrics["loss"], norm, ceiling)
+        ok, metrics["skipped"] = ~skipped, skipped.astype(jnp.int32)
+    used_scale = scale
+    if speculate:  # Nothing below may wait for the norm.
+        held = scale == 1 if ok is None else ok & (scale == 1)
+        ok, used_scale = None, jnp.ones((), jnp.float32)
+    trees = (grads, state.params, state.opt_state, state.compute_params)
+    flat = [as_flat(s.stacked, t) for t in trees]
+    new = update_in_step(
+        s.optimizer,
+        chunks,
+        order,
+        flat[0],
+        used_scale,
+        *flat[1:],
+        in_flight,
+        ok,
+    )
+    metrics.update(grad_norm=norm, lr=s.learning_rate(state.step))
+    new = from_flat(s.stacked, state.step + 1, new, state.comm)
+    if speculate:
+        return new, metrics, (grads, scale, held)
+    return new, metrics
 
 
 class InStepUpdate(_Speculation, _Offloaded):
@@ -609,10 +624,9 @@ class InStepUpdate(_Speculation, _Offloaded):
     scheduler may run beside the compute, where a scanned layer's copies are synchronous
     (experiments/fused_update_probe.py). A chunk's update waits for its grad, and for the
     global grad norm when it clips (config.train.grad_clip) or skips anomalous steps
-    (config.monitor.on_anomaly=skip), unless it speculates (config.offload.speculative_update):
-    then every chunk is updated as if the step neither clips nor is anomalous, and a step that
-    does is updated again after it, from the old state the step kept (`_validated`). The math
-    is the streamed update's."""
+    (config.monitor.on_anomaly=skip), unless it speculates (config.offload.speculative_update,
+    `_Speculation`): then a step that clips or is anomalous is updated again after it, from
+    the old state the step kept. The math is the streamed update's."""
 
     def __init__(self, setup: StepSetup):
         super().__init__(setup)
@@ -642,35 +656,11 @@ class InStepUpdate(_Speculation, _Offloaded):
     ):
         """(state, batch[, loss ceiling]) -> (next state, metrics), traced; with a ceiling the
         update of an anomalous step is left out. Speculating, it returns as well what
-        `_validated` needs: (grads, clipping scale, whether the speculation held)."""
-        s = self.setup
-        metrics, grads = s.grads.loss_and_grads(state.compute_params, batch_BT1)
-        in_flight = self.offload.chunks_in_flight
-        norm = global_norm(grads, s.stacked, in_flight)
-        ok, scale = None, s.optimizer.clip_scale(norm)
-        if ceiling is not None:
-            skipped = is_anomalous(metrics["loss"], norm, ceiling)
-            ok, metrics["skipped"] = ~skipped, skipped.astype(jnp.int32)
-        used_scale = scale
-        if speculate:  # Nothing below may wait for the norm.
-            held = scale == 1 if ok is None else ok & (scale == 1)
-            ok, used_scale = None, jnp.ones((), jnp.float32)
-        flat = [self.flat(t) for t in (grads, state.params, state.opt_state, state.compute_params)]
-        new = update_in_step(
-            s.optimizer,
-            self.streamed.chunks,
-            self.order,
-            flat[0],
-            used_scale,
-            *flat[1:],
-            in_flight,
-            ok,
+        `_speculating` needs: (grads, clipping scale, whether the speculation held)."""
+        chunks = self.streamed.chunks
+        return _updated_in_step(
+            self.setup, chunks, self.order, state, batch_BT1, ceiling, speculate
         )
-        metrics.update(grad_norm=norm, lr=s.learning_rate(state.step))
-        new = self.unflat(state.step + 1, new, state.comm)
-        if speculate:
-            return new, metrics, (grads, scale, held)
-        return new, metrics
 
     def _lowered(self, guarded: bool, speculate: bool | None = None) -> jax.stages.Lowered:
         """The step as a program: guarded or not; speculating (`speculate`, by default
@@ -735,15 +725,7 @@ class InStepUpdate(_Speculation, _Offloaded):
             )
         if not self.speculative:
             return compiled
-
-        @functools.cache  # The loop's own form was compiled with `program`.
-        def exact():
-            if guarded == self.guarded:
-                return self.exact_compiled
-            lowered = self._lowered(guarded, speculate=False)
-            return self.checked(lowered.compile(compiler_options=COPIES_IN_FLIGHT))
-
-        return self._validated(compiled, exact)
+        return _speculating(compiled, self._exact(guarded), self.setup.grad_clip, self._redo)
 
     @functools.cached_property
     def train_step(self):

@@ -49,6 +49,9 @@ from angel_jax.steps import (
 
 @dataclasses.dataclass
 class Experiment:
+    """What a user holds (`build` makes it): the state's init, the step functions, batch
+    placement and checkpoint conversions, beside the model, optimizer and layouts."""
+
     config: ml_collections.ConfigDict
     mesh: Mesh
     rules: sharding.Rules
@@ -71,7 +74,111 @@ class Experiment:
 
     def init_state(self, seed: int | None = None) -> TrainState:
         """Initialises the state directly in its sharded layout."""
-        rng = jax.random.key(self.config.seed if seed is None else seed)
+        return self._state_init(jax.random.key(self.config.seed if seed is None else seed))
+
+    @functools.cached_property
+    def _state_init(self) -> "_StateInit":
+        """What `init_state` runs, given the fields it reads."""
+        return _StateInit(**{f.name: getattr(self, f.name) for f in dataclasses.fields(_StateInit)})
+
+    @property
+    def ssd(self) -> SSDTier | None:
+        """Update chunks on disk (ZeRO-Cache's third tier), if any."""
+        return self.offloaded.ssd if self.offloaded else None
+
+    def params_numpy(self, state: TrainState):
+        """The fp32 master params as numpy arrays in the model's layout, whatever the policy."""
+        if self.offloaded:
+            return self.offloaded.params_numpy(state)
+        return jax.device_get(state.params)
+
+    @property
+    def checkpoint_layout(self) -> tuple[str, bool]:
+        """(offload policy, split masters): what a checkpoint's state restores only under."""
+        return self.plan.policy, self.plan.split_masters
+
+    def checkpointed(self, state: TrainState) -> TrainState:
+        """What checkpoints hold: the state, less what offloaded states derive and with their SSD
+        chunks in (`OffloadedState.checkpointed`)."""
+        return self.offloaded.checkpointed(state) if self.offloaded else state
+
+    def checkpoint_target(self) -> TrainState:
+        """The abstract `checkpointed` state to restore into."""
+        if self.offloaded:
+            return self.offloaded.checkpoint_target(self.abstract_state)
+        return self.abstract_state
+
+    def from_checkpointed(self, state: TrainState) -> TrainState:
+        """Re-derives what `checkpointed` left out (`OffloadedState.from_checkpointed`)."""
+        return self.offloaded.from_checkpointed(state) if self.offloaded else state
+
+    @functools.cached_property
+    def loss(self) -> TrainingLoss:
+        """(params, rows) -> (loss, metrics), what the grads differentiate."""
+        return _training_loss(self)
+
+    @functools.cached_property
+    def grads(self) -> Gradients:
+        """The grads of `loss`, in the layout the plan gives them (`_grad_setup`)."""
+        return Gradients(self.loss, _grad_setup(self))
+
+    @functools.cached_property
+    def steps(self) -> Step:
+        """The train step's form, as the plan places the optimizer state."""
+        setup = _step_setup(self)
+        if not self.plan.offloads_optimizer:
+            return DeviceStep(setup)
+        form = InStepUpdate if self.config.offload.update_in_step else OffloadedStep
+        return form(setup)
+
+    @property
+    def train_step(self):
+        """(state, batch) -> (state, metrics), compiled; the state is donated."""
+        return self.steps.train_step
+
+    @property
+    def loop_step(self):
+        """The step the training loop runs: `guarded_train_step` when anomalies are skipped
+        in the step (config.monitor.on_anomaly=skip), else `train_step`."""
+        skips = self.config.monitor.on_anomaly == "skip"
+        return self.guarded_train_step if skips else self.train_step
+
+    @property
+    def guarded_train_step(self):
+        """(state, batch, loss ceiling) -> (state, metrics): `train_step` that drops the update
+        of a step whose loss or grad norm is not finite or whose loss is above the ceiling
+        (`monitor.skip_if_anomalous`; the step count advances, metrics["skipped"] says it)."""
+        return self.steps.guarded_train_step
+
+    def settled(self, state: TrainState) -> TrainState:
+        """`state` with a delayed update still waiting applied (config.offload.delayed_update):
+        what a checkpoint holds."""
+        return self.steps.settle(state)
+
+    def global_batch(self, rows: np.ndarray) -> jax.Array:
+        """This process's rows of the batch -> one global array laid out for the step."""
+        shape = (self.config.train.batch_size, rows.shape[1])
+        return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StateInit:
+    """The train state's first values, made straight into their shardings: what
+    `Experiment.init_state` does, apart from what the experiment holds."""
+
+    config: ml_collections.ConfigDict
+    mesh: Mesh
+    model: nn.Module
+    optimizer: Optimizer
+    pipeline: PipelinePlan | None
+    abstract_state: TrainState
+    state_sharding: TrainState
+    stacked: Any
+    offloaded: OffloadedState | None
+    powersgd: PowerSGD | None
+
+    def __call__(self, rng) -> TrainState:
+        """The state from `rng`: the model's init, or around config.init_from_hf's params."""
         if self.config.init_from_hf:
             return self._init_from_hf(rng)
         # No activation rules: the init's forward pass (one row, only for the params' shapes)
@@ -115,120 +222,52 @@ class Experiment:
             jnp.zeros((), jnp.int32), params, self.optimizer.init(params, self.stacked), None, comm
         )
 
-    @property
-    def ssd(self) -> SSDTier | None:
-        """Update chunks on disk (ZeRO-Cache's third tier), if any."""
-        return self.offloaded.ssd if self.offloaded else None
 
-    def params_numpy(self, state: TrainState):
-        """The fp32 master params as numpy arrays in the model's layout, whatever the policy."""
-        if self.offloaded:
-            return self.offloaded.params_numpy(state)
-        return jax.device_get(state.params)
+def _training_loss(exp: Experiment) -> TrainingLoss:
+    """`exp`'s loss: its model (under LoRA dropout, with the step's dropout key) and the
+    config's objective, its logits chunked and its rows in the context's order."""
+    context = exp.mesh.shape["context"]
+    order = (lambda length: zigzag_order(length, context)) if context > 1 else None
+    pieces = family_of(exp.config.model).pieces
+    # LoRA dropout: the model applied with the step's dropout key (`lora.Dropout`).
+    dropout = exp.optimizer.adapters_only and exp.config.model.lora.dropout
+    model = lora.Dropout(exp.model) if dropout else exp.model
+    return TrainingLoss(
+        model,
+        exp.config,
+        exp.model_config.logits_chunks,
+        lambda params: pieces.lm_head(exp.model_config, params),
+        order,
+        bool(exp.model_config.num_experts),
+    )
 
-    @property
-    def checkpoint_layout(self) -> tuple[str, bool]:
-        """(offload policy, split masters): what a checkpoint's state restores only under."""
-        return self.plan.policy, self.plan.split_masters
 
-    def checkpointed(self, state: TrainState) -> TrainState:
-        """What checkpoints hold: the state, less what offloaded states derive and with their SSD
-        chunks in (`OffloadedState.checkpointed`)."""
-        return self.offloaded.checkpointed(state) if self.offloaded else state
-
-    def checkpoint_target(self) -> TrainState:
-        """The abstract `checkpointed` state to restore into."""
-        if self.offloaded:
-            return self.offloaded.checkpoint_target(self.abstract_state)
-        return self.abstract_state
-
-    def from_checkpointed(self, state: TrainState) -> TrainState:
-        """Re-derives what `checkpointed` left out (`OffloadedState.from_checkpointed`)."""
-        return self.offloaded.from_checkpointed(state) if self.offloaded else state
-
-    @functools.cached_property
-    def loss(self) -> TrainingLoss:
-        """(params, rows) -> (loss, metrics), what the grads differentiate."""
-        context = self.mesh.shape["context"]
-        order = (lambda length: zigzag_order(length, context)) if context > 1 else None
-        pieces = family_of(self.config.model).pieces
-        # LoRA dropout: the model applied with the step's dropout key (`lora.Dropout`).
-        dropout = self.optimizer.adapters_only and self.config.model.lora.dropout
-        model = lora.Dropout(self.model) if dropout else self.model
-        return TrainingLoss(
-            model,
-            self.config,
-            self.model_config.logits_chunks,
-            lambda params: pieces.lm_head(self.model_config, params),
-            order,
-            bool(self.model_config.num_experts),
+def _grad_setup(exp: Experiment) -> GradSetup:
+    """The layout `exp`'s grads are made in, from its config, plan and layout."""
+    c = exp.config
+    pipeline = None
+    if exp.pipeline:
+        pieces = family_of(c.model).pieces
+        pipeline = PipelineSetup(
+            exp.pipeline, c.pipeline.microbatches, pieces, exp.model_config, c.train.z_loss
         )
-
-    @functools.cached_property
-    def grads(self) -> Gradients:
-        c = self.config
-        pipeline = None
-        if self.pipeline:
-            pieces = family_of(c.model).pieces
-            pipeline = PipelineSetup(
-                self.pipeline, c.pipeline.microbatches, pieces, self.model_config, c.train.z_loss
-            )
-        compute = self.abstract_state.compute_params
-        trained = self.optimizer.trained  # Under LoRA, the adapters alone have grads.
-        setup = GradSetup(
-            mesh=self.mesh,
-            microbatches=c.train.microbatches,
-            grad_sharding=self.grad_sharding,
-            abstract_params=trained(self.abstract_state.params if compute is None else compute),
-            stacked=trained(self.stacked),
-            streams_params=self.plan.streams_params,
-            chunks_in_flight=c.offload.chunks_in_flight,
-            pipeline=pipeline,
-            powersgd=self.powersgd,
-            powersgd_start_step=c.train.powersgd_start_step,
-            comm_sharding=self.state_sharding.comm,
-            adapters_only=self.optimizer.adapters_only,
-            dropout_seed=c.seed if c.model.lora.rank and c.model.lora.dropout else None,
-        )
-        return Gradients(self.loss, setup)
-
-    @functools.cached_property
-    def steps(self) -> Step:
-        """The train step's form, as the plan places the optimizer state."""
-        setup = _step_setup(self)
-        if not self.plan.offloads_optimizer:
-            return DeviceStep(setup)
-        form = InStepUpdate if self.config.offload.update_in_step else OffloadedStep
-        return form(setup)
-
-    @property
-    def train_step(self):
-        """(state, batch) -> (state, metrics), compiled; the state is donated."""
-        return self.steps.train_step
-
-    @property
-    def loop_step(self):
-        """The step the training loop runs: `guarded_train_step` when anomalies are skipped
-        in the step (config.monitor.on_anomaly=skip), else `train_step`."""
-        skips = self.config.monitor.on_anomaly == "skip"
-        return self.guarded_train_step if skips else self.train_step
-
-    @property
-    def guarded_train_step(self):
-        """(state, batch, loss ceiling) -> (state, metrics): `train_step` that drops the update
-        of a step whose loss or grad norm is not finite or whose loss is above the ceiling
-        (`monitor.skip_if_anomalous`; the step count advances, metrics["skipped"] says it)."""
-        return self.steps.guarded_train_step
-
-    def settled(self, state: TrainState) -> TrainState:
-        """`state` with a delayed update still waiting applied (config.offload.delayed_update):
-        what a checkpoint holds."""
-        return self.steps.settle(state)
-
-    def global_batch(self, rows: np.ndarray) -> jax.Array:
-        """This process's rows of the batch -> one global array laid out for the step."""
-        shape = (self.config.train.batch_size, rows.shape[1])
-        return jax.make_array_from_process_local_data(self.batch_sharding, rows, shape)
+    compute = exp.abstract_state.compute_params
+    trained = exp.optimizer.trained  # Under LoRA, the adapters alone have grads.
+    return GradSetup(
+        mesh=exp.mesh,
+        microbatches=c.train.microbatches,
+        grad_sharding=exp.grad_sharding,
+        abstract_params=trained(exp.abstract_state.params if compute is None else compute),
+        stacked=trained(exp.stacked),
+        streams_params=exp.plan.streams_params,
+        chunks_in_flight=c.offload.chunks_in_flight,
+        pipeline=pipeline,
+        powersgd=exp.powersgd,
+        powersgd_start_step=c.train.powersgd_start_step,
+        comm_sharding=exp.state_sharding.comm,
+        adapters_only=exp.optimizer.adapters_only,
+        dropout_seed=c.seed if c.model.lora.rank and c.model.lora.dropout else None,
+    )
 
 
 def _step_setup(exp: Experiment) -> StepSetup:

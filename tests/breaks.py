@@ -69,15 +69,15 @@ BREAKS = [
     (
         "the speculative update in the step clips with the norm",
         "angel_jax/steps.py",
-        "            ok, used_scale = None, jnp.ones((), jnp.float32)",
-        "            ok, used_scale = None, scale",
+        "        ok, used_scale = None, jnp.ones((), jnp.float32)",
+        "        ok, used_scale = None, scale",
         ["tests/test_offload_in_step.py::test_speculative_update_in_step_never_waits_for_the_norm"],
     ),
     (
         "the speculative update in the step leaves out an anomalous step's update itself",
         "angel_jax/steps.py",
-        "            ok, used_scale = None, jnp.ones((), jnp.float32)",
-        "            used_scale = jnp.ones((), jnp.float32)",
+        "        ok, used_scale = None, jnp.ones((), jnp.float32)",
+        "        used_scale = jnp.ones((), jnp.float32)",
         ["tests/test_offload_in_step.py::test_speculative_update_in_step_never_waits_for_the_norm"],
     ),
     (
@@ -100,22 +100,22 @@ BREAKS = [
     (
         "a speculated step that clipped keeps its speculated update",
         "angel_jax/steps.py",
-        "            if jax.device_get(held):",
-        "            if True:",
+        "        if jax.device_get(held):",
+        "        if True:",
         ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "a step after a redone one speculates again",
         "angel_jax/steps.py",
-        "            clipped = not skipped  #",
-        "            clipped = False  #",
+        "        clipped = not skipped  #",
+        "        clipped = False  #",
         ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
         "the exact program never hands back to speculation",
         "angel_jax/steps.py",
-        "                clipped = bool(norm > clip and not skipped)",
-        "                clipped = True",
+        "            clipped = bool(norm > clip and not skipped)",
+        "            clipped = True",
         ["tests/test_offload_in_step.py::test_speculative_update_in_step_equals_the_exact_one"],
     ),
     (
@@ -131,8 +131,8 @@ BREAKS = [
     (
         "a skipped speculated step is updated again",
         "angel_jax/steps.py",
-        "            if skipped:\n                return state.replace(step=step), metrics",
-        "            if False:\n                return state.replace(step=step), metrics",
+        "        if skipped:\n            return state.replace(step=step), metrics",
+        "        if False:\n            return state.replace(step=step), metrics",
         [
             "tests/test_offload_in_step.py::test_speculative_update_in_step_keeps_an_anomalous_steps_state"
         ],
@@ -495,7 +495,7 @@ BREAKS = [
     ),
     (
         "the update fetches nothing before the step is dispatched",
-        "angel_jax/steps.py",
+        "angel_jax/offloaded_update.py",
         "        if self.delayed and self.pending is None:\n            return None\n",
         "        return None\n",
         [
@@ -505,7 +505,7 @@ BREAKS = [
     ),
     (
         "the update between microbatches writes the weights the later ones read",
-        "angel_jax/steps.py",
+        "angel_jax/offloaded_update.py",
         "            into_new=True,\n",
         "            into_new=False,\n",
         [
@@ -515,7 +515,7 @@ BREAKS = [
     ),
     (
         "the waiting update runs after the step's microbatches, not between them",
-        "angel_jax/steps.py",
+        "angel_jax/offloaded_update.py",
         "            for _ in range(slots[j] if j < len(slots) else 0):\n",
         "            for _ in range(0):\n",
         [
