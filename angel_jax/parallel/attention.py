@@ -274,13 +274,7 @@ def sequence_parallel_attention(
             out = jax.lax.all_to_all(out, SEQUENCE, split_axis=1, concat_axis=2, tiled=True)
         return out
 
-    return jax.shard_map(
-        local,
-        mesh=shard_map_mesh(mesh),
-        in_specs=(spec, spec, spec),
-        out_specs=spec,
-        check_vma=False,
-    )(q, k, v)
+    return _on_each_device(local, mesh, spec, q, k, v)
 
 
 def per_device_attention(q, k, v, mesh, spec: P, *, scale, causal, implementation):
@@ -295,6 +289,12 @@ def per_device_attention(q, k, v, mesh, spec: P, *, scale, causal, implementatio
             q, k, v, scale=scale, is_causal=causal, implementation=implementation
         )
 
+    return _on_each_device(local, mesh, spec, q, k, v)
+
+
+def _on_each_device(local, mesh, spec: P, q, k, v):
+    """`local` on each device's shards of q, k and v (all laid out by `spec`), in a region
+    manual over every mesh axis (inside a pipeline stage, the rest of its mesh)."""
     return jax.shard_map(
         local,
         mesh=shard_map_mesh(mesh),
