@@ -57,7 +57,7 @@ class Layout:
     schedule: str = ""  # Pipelines: 1f1b | gpipe | circular.
     virtual: int = 1
     offload: str = "none"  # none | optimizer (masters and AdamW state in pinned host memory).
-    attention: str = "cudnn"  # xla where the pipeline's stages need it (stage_plan refuses cuDNN).
+    attention: str = "cudnn"  # Or xla, to cost XLA's attention (the search takes cuDNN's).
 
     def mesh_shape(self) -> dict[str, int]:
         return dict(
@@ -300,12 +300,11 @@ def evaluate(
 def search(problem: Problem) -> tuple[list[Candidate], list[Candidate]]:
     """(layouts that fit, fastest first; those over memory)."""
     shape = model_shape(problem.config.model)
-    shapes = {"cudnn": shape, "xla": model_shape(problem.config.model, "xla")}
     fits, over = [], []
     work = ml_collections.ConfigDict(problem.config.to_dict())
     for layout in layouts(problem, shape):
         try:
-            c = evaluate(problem, shapes[layout.attention], layout, work=work)
+            c = evaluate(problem, shape, layout, work=work)
         except ConfigError:
             continue  # A combination the trainer refuses (stage_plan says why).
         (fits if c.fits else over).append(c)
