@@ -38,6 +38,7 @@ from recipes import KINDS, RECIPES, Failed, Recipe
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "experiments/records"
 RESULTS_MD = ROOT / "experiments/RESULTS.md"
+README_MD = ROOT / "README.md"
 DOCS_MD = ROOT / "docs/benchmarks.md"  # The user's manual's page: the table without the diary.
 RUNNABLE = "<!-- runnable -->"  # Marks a command that tests/test_docs.py runs on a CPU.
 TOLERANCE = 0.05  # A re-run's compared figure may be this much under its record.
@@ -280,6 +281,45 @@ def table(root: pathlib.Path) -> str:
     return "\n".join([*lines, "", *notes(runs)]) + "\n"
 
 
+# The README's benchmark table: a recipe and the figures of its records shown.
+README_BENCH = [
+    ("llama_1b", ("ours MFU", "x plain JAX")),
+    ("fp8_8b_8layers", ("FP8 MFU", "x bf16")),
+    ("moe_1b_dropless", ("MoE MFU", "x dense twin")),
+    ("offload_8b_128k", ("delayed MFU", "delayed x exact")),
+    ("offload_llama_1b", ("exact x DeepSpeed", "delayed x DeepSpeed")),
+    ("capacity_adamw", ("parameters (B)",)),
+    ("capacity_adafactor", ("parameters (B)",)),
+]
+TABLE_START, TABLE_END = "<!-- bench-table -->", "<!-- /bench-table -->"
+
+
+def readme_table(root: pathlib.Path) -> str:
+    """The README's benchmark table from the record files under `root`."""
+    known = {r.name: r for r in RECIPES}
+    lines = [
+        "| recipe | what | " + " | ".join(k.upper() for k in KINDS) + " |",
+        "|---|---|" + "---|" * len(KINDS),
+    ]
+    for name, figures in README_BENCH:
+        cells = []
+        for kind in KINDS:
+            metrics = (load(record_path(root, kind, name)) or {}).get("metrics", {})
+            shown_ = [f"{f} {shown(metrics[f])}" for f in figures if f in metrics]
+            cells.append("; ".join(shown_) or "-")
+        lines.append(f"| `{name}` | {known[name].what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def with_readme_table(readme: str, root: pathlib.Path) -> str:
+    """`readme` with the text between its table markers made from the records under `root`."""
+    if TABLE_START not in readme or TABLE_END not in readme:
+        raise ValueError(f"README.md lacks the markers {TABLE_START} and {TABLE_END}")
+    head, rest = readme.split(TABLE_START, 1)
+    tail = rest.split(TABLE_END, 1)[1]
+    return f"{head}{TABLE_START}\n{readme_table(root)}\n{TABLE_END}{tail}"
+
+
 def recipe_command(recipe: Recipe, kind: str) -> str:
     """The experiment's command line that bench.py runs for `recipe` on `kind`, quoted for a
     shell (the peers' scripts in .baselines, the results to RESULTS.json)."""
@@ -392,7 +432,8 @@ def main() -> int:
         RESULTS_MD.write_text(table(records))
         DOCS_MD.parent.mkdir(exist_ok=True)
         DOCS_MD.write_text(page(records))
-        print(f"wrote {RESULTS_MD} and {DOCS_MD}")
+        README_MD.write_text(with_readme_table(README_MD.read_text(), records))
+        print(f"wrote {RESULTS_MD}, {DOCS_MD} and {README_MD}'s benchmark table")
         return 0
     kind = args.gpu or detect_kind()
     if args.not_run:

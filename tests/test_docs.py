@@ -29,8 +29,8 @@ Runnable blocks. A fenced block is runnable when the line just before its openin
   design notes, docs/design/, need none.
 
 The README's benchmark table sits between `<!-- bench-table -->` and `<!-- /bench-table -->`;
-it is made from experiments/records/ (README_BENCH picks the figures).
-`ANGEL_UPDATE_DOCS=1 python -m pytest tests/test_docs.py -k bench_table` rewrites it.
+`python experiments/bench.py --table` makes it from experiments/records/ (bench.README_BENCH
+picks the figures).
 """
 
 import importlib.util
@@ -48,7 +48,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import bench  # noqa: E402
-import recipes  # noqa: E402
 
 MARK = "<!-- runnable -->"
 SHELLS = ("sh", "bash", "shell")
@@ -159,51 +158,11 @@ def test_mkdocs_builds_strict(tmp_path):
     assert (tmp_path / "index.html").is_file()
 
 
-# The README's benchmark table: a recipe and the figures of its records shown.
-README_BENCH = [
-    ("llama_1b", ("ours MFU", "x plain JAX")),
-    ("fp8_8b_8layers", ("FP8 MFU", "x bf16")),
-    ("moe_1b_dropless", ("MoE MFU", "x dense twin")),
-    ("offload_8b_128k", ("delayed MFU", "delayed x exact")),
-    ("offload_llama_1b", ("exact x DeepSpeed", "delayed x DeepSpeed")),
-    ("capacity_adamw", ("parameters (B)",)),
-    ("capacity_adafactor", ("parameters (B)",)),
-]
-TABLE_START, TABLE_END = "<!-- bench-table -->", "<!-- /bench-table -->"
-
-
-def bench_table(records: pathlib.Path) -> str:
-    """The README's benchmark table from the record files under `records`."""
-    known = {r.name: r for r in recipes.RECIPES}
-    kinds = recipes.KINDS
-    lines = [
-        "| recipe | what | " + " | ".join(k.upper() for k in kinds) + " |",
-        "|---|---|" + "---|" * len(kinds),
-    ]
-    for name, figures in README_BENCH:
-        cells = []
-        for kind in kinds:
-            record = bench.load(bench.record_path(records, kind, name))
-            metrics = (record or {}).get("metrics", {})
-            shown = [f"{f} {bench.shown(metrics[f])}" for f in figures if f in metrics]
-            cells.append("; ".join(shown) or "-")
-        lines.append(f"| `{name}` | {known[name].what} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def test_readme_bench_table_is_the_records():
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    assert TABLE_START in text and TABLE_END in text, f"README.md lacks {TABLE_START}"
-    head, rest = text.split(TABLE_START, 1)
-    body, tail = rest.split(TABLE_END, 1)
-    table = bench_table(ROOT / "experiments/records")
-    if os.environ.get("ANGEL_UPDATE_DOCS"):
-        readme.write_text(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}")
-        body = f"\n{table}\n"
-    assert body.strip() == table, (
+    text = (ROOT / "README.md").read_text()
+    assert text == bench.with_readme_table(text, ROOT / "experiments/records"), (
         "README.md's benchmark table differs from experiments/records/; rewrite it with "
-        "ANGEL_UPDATE_DOCS=1 python -m pytest tests/test_docs.py -k bench_table"
+        "python experiments/bench.py --table"
     )
 
 
@@ -212,7 +171,7 @@ def test_bench_table_follows_the_records(tmp_path):
     (tmp_path / "h200").mkdir()
     record = dict(recipe="llama_1b", status="ok", metrics={"ours MFU": 0.5, "x plain JAX": 1.25})
     bench.record_path(tmp_path, "h200", "llama_1b").write_text(json.dumps(record))
-    rows = bench_table(tmp_path).splitlines()
+    rows = bench.readme_table(tmp_path).splitlines()
     llama = next(r for r in rows if r.startswith("| `llama_1b`"))
     assert llama.endswith("| - | ours MFU 0.5; x plain JAX 1.25 |"), llama
     assert all(r.endswith("| - | - |") for r in rows[2:] if r != llama)
