@@ -41,7 +41,7 @@ RESERVED_GIB = 2.0  # cuBLAS/cuDNN workspaces and NCCL's buffers, beside what XL
 TENSOR_SIZES = (1, 2, 4, 8)  # Within a host: tensor traffic stays on NVLink.
 CONTEXT_SIZES = (1, 2, 4, 8, 16)  # Beyond a host, a ring over InfiniBand (long sequences).
 PIPELINE_SIZES = (1, 2, 4, 8, 16)
-VIRTUAL = (2, 4, 5)  # The circular schedule's chunks per stage tried.
+VIRTUAL = (2, 4, 5)  # Interleaved 1F1B's chunks per stage tried (circular's keep more).
 BUDGET_NOTE = f"{USABLE:.0%} of jax's limit less {RESERVED_GIB:g} GiB for workspaces"
 
 
@@ -54,7 +54,7 @@ class Layout:
     zero: int
     remat: str
     microbatches: int  # Gradient accumulation, or the pipeline's microbatches.
-    schedule: str = ""  # Pipelines: 1f1b | gpipe | circular.
+    schedule: str = ""  # Pipelines: 1f1b (interleaved with virtual > 1) | gpipe | circular.
     virtual: int = 1
     offload: str = "none"  # none | optimizer (masters and AdamW state in pinned host memory).
     attention: str = "cudnn"  # Or xla, to cost XLA's attention (the search takes cuDNN's).
@@ -176,8 +176,8 @@ def layouts(problem: Problem, shape) -> list[Layout]:
         for m in (m for m in counts if m >= pp):
             schedules = [("1f1b", 1), ("gpipe", 1)]
             if m % pp == 0:
-                schedules += [("circular", v) for v in VIRTUAL if L >= pp * v]
-            for (sched, v), zero, remat in itertools.product(schedules, (0, 1), STAGE_REMATS):
+                schedules += [("1f1b", v) for v in VIRTUAL if L >= pp * v]
+            for (sched, v), zero, remat in itertools.product(schedules, (0, 1, 2, 3), STAGE_REMATS):
                 out.append(Layout(dp, tp, pp, cp, zero, remat, m, sched, v))
     return out
 

@@ -138,6 +138,15 @@ def shard_map_mesh(mesh: Mesh):
     return context if context.manual_axes else mesh
 
 
+def in_partly_manual_region() -> bool:
+    """Whether tracing is inside a region manual over some mesh axes (a pipeline stage) while
+    other split axes stay automatic: where XLA's partitioner fails on some ops (cuDNN's
+    attention call, a gather from a split table), which then run in a region manual over all."""
+    region = jax.sharding.get_abstract_mesh()
+    auto = [n for a, n in region.shape.items() if a not in region.manual_axes]
+    return bool(region.manual_axes) and any(n > 1 for n in auto)
+
+
 def _check_divisible(name: str, value: int, axis_name: str, size: int) -> None:
     if value % size:
         raise ConfigError(

@@ -41,6 +41,8 @@ LAYERS = 6  # Uneven over 4 stages, and over 2 x 2 virtual ones.
         ("1f1b", 2, 4, 1),
         ("1f1b", 4, 8, 1),
         ("1f1b", 4, 16, 1),
+        ("1f1b", 2, 4, 2),  # Interleaved 1F1B.
+        ("1f1b", 4, 16, 5),
         ("circular", 2, 4, 2),
         ("circular", 4, 8, 3),
     ],
@@ -67,10 +69,11 @@ def test_schedule_runs_every_item_once_in_order_with_the_theoretical_bubble(
     # Whatever F and B cost, the idle share is the theory's.
     for backward_cost in (1.0, 2.0, 3.0):
         assert sched.bubble(1.0, backward_cost) == pytest.approx(theoretical_bubble(p, m, v))
-    # The live inputs: GPipe keeps every microbatch's; 1F1B at most 2(p - s) - 1 on stage s.
+    # The live inputs: GPipe keeps every microbatch's; 1F1B at most 2(p - s) - 1 on stage s,
+    # interleaved (v > 1) Megatron's count, (v - 1) p warm-up items more.
     live = sched.live().max(axis=0)
     if name == "1f1b":
-        assert list(live) == [min(2 * (p - s) - 1, m) for s in range(p)]
+        assert list(live) == [min(2 * (p - s) - 1 + (v - 1) * p, v * m) for s in range(p)]
     else:
         assert list(live) == [v * m] * p
     assert sched.slots == live.max()
@@ -184,12 +187,13 @@ CASES = {
         pipeline__schedule="gpipe",
         pipeline__balance="4,2",
     ),
-    "p2x2_circular_context2_data2": dict(
+    "p2x2_interleaved_1f1b_context2_data2": dict(
         mesh__pipeline=2,
         mesh__data=2,
         mesh__context=2,
-        pipeline__schedule="circular",
+        pipeline__schedule="1f1b",
         pipeline__virtual_stages=2,
+        pipeline__microbatches=4,
     ),
     "p2_1f1b_context2_tensor2": dict(
         mesh__pipeline=2, mesh__data=1, mesh__context=2, mesh__tensor=2, pipeline__schedule="1f1b"
@@ -324,8 +328,8 @@ def test_pipelined_training_steps_equal_the_model_without_one():
             ["batch_size / config.pipeline.microbatches=2", "config.mesh.data=4"],
         ),
         (
-            dict(mesh__pipeline=2, pipeline__virtual_stages=2, pipeline__schedule="1f1b"),
-            ["virtual_stages=2", "schedule=circular"],
+            dict(mesh__pipeline=2, pipeline__virtual_stages=2, pipeline__schedule="gpipe"),
+            ["virtual_stages=2", "schedule=1f1b or circular"],
         ),
         (
             dict(
@@ -381,18 +385,39 @@ def test_attention_in_a_stage_runs_on_each_devices_shard():
     make_pipeline_plan(plan_input(config, shape, cfg, budget={}), cfg)  # Accepted.
 
 
-def test_a_gpu_pipeline_beside_tensor_and_another_axis_is_refused():
-    """XLA's GPU partitioner aborts the process on it (tests/test_plan.py compiles it); the CPU
-    compiles it, so the tests here still run such meshes."""
-    config = small_config(model__num_layers=4, mesh__pipeline=2, mesh__data=2, mesh__tensor=2)
-    cfg = LlamaConfig.from_config(config.model, "cpu")
-    shape = dict(data=2, pipeline=2, expert=1, context=1, sequence=1, tensor=2)
-    inp = plan_input(config, shape, cfg, budget={})
-    make_pipeline_plan(inp, cfg)  # On the CPU: accepted.
-    with pytest.raises(ConfigError, match="config.mesh.tensor=2 and config.mesh.data=2"):
-        make_pipeline_plan(dataclasses.replace(inp, backend="gpu"), cfg)
-    alone = plan_input(config, {**shape, "data": 1}, cfg, budget={})
-    make_pipeline_plan(dataclasses.replace(alone, backend="gpu"), cfg)  # Tensor alone: accepted.
+def test_vocab_parallel_take_is_take():
+    """The embedding's lookup in a stage (XLA's GPU partitioner aborts on the gather there):
+    each device looks up its tokens in its own rows of the table split over tensor (and data,
+    major), the tokens' rows split over data; values and the table's grads as jnp.take's."""
+    from jax.sharding import PartitionSpec as P
+
+    from angel_jax.parallel.embedding import vocab_parallel_take
+
+    auto = (jax.sharding.AxisType.Auto,) * 3  # As the trainer's mesh.
+    mesh = jax.make_mesh((2, 2, 2), ("pipeline", "data", "tensor"), axis_types=auto)
+    table = jax.random.normal(jax.random.key(0), (16, 8))
+    tokens = jax.random.randint(jax.random.key(1), (4, 6), 0, 16)
+    ct = jax.random.normal(jax.random.key(2), (4, 6, 8))
+    for table_spec, tokens_spec in (
+        (P("tensor", None), P("data", None)),
+        (P(("data", "tensor"), None), P()),
+    ):
+        stage = functools.partial(
+            vocab_parallel_take, mesh=mesh, table_spec=table_spec, tokens_spec=tokens_spec
+        )
+        in_stage = jax.shard_map(
+            stage,
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(),
+            axis_names={"pipeline"},
+            check_vma=False,
+        )
+        got, vjp = jax.vjp(jax.jit(in_stage), table, tokens)  # tokens' cotangent: float0.
+        d_table = vjp(ct)[0]
+        want, vjp = jax.vjp(lambda t: jnp.take(t, tokens, axis=0), table)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(d_table, vjp(ct)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_stages_hold_their_own_layers_and_pass_activations_by_collective_permute():

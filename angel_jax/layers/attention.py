@@ -116,9 +116,7 @@ def _whole_sequence_attention(
     """Attention with the whole sequence on each device. In a pipeline stage beside other split
     axes (a region manual over `pipeline` only), cuDNN's call cannot be partitioned: each
     device then calls it on its own rows and heads (`per_device_attention`)."""
-    region = jax.sharding.get_abstract_mesh()
-    auto = [n for a, n in region.shape.items() if a not in region.manual_axes]
-    in_a_stage = mesh is not None and bool(region.manual_axes) and any(n > 1 for n in auto)
+    in_a_stage = mesh is not None and sharding.in_partly_manual_region()
     traced = traced_attention(implementation)
     if in_a_stage and implementation == "cudnn" and mask_BTS is None and bias_NTS is None:
         spec = sharding.active_spec(("batch", "length", "heads", "head_dim"))

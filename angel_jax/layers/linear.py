@@ -14,8 +14,9 @@ from flax import linen as nn
 
 from angel_jax import fp8
 from angel_jax.lora import LoRA
+from angel_jax.parallel.embedding import vocab_parallel_take
 from angel_jax.parallel.fp8_collectives import zero3_dot
-from angel_jax.sharding import active_mesh, constrain
+from angel_jax.sharding import active_mesh, active_spec, constrain, in_partly_manual_region
 
 
 class Linear(nn.Module):
@@ -115,6 +116,12 @@ class Embed(nn.Module):
         return constrain(self.embedding.astype(self.dtype), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        mesh = active_mesh()
+        if mesh is not None and in_partly_manual_region():
+            # A pipeline stage: XLA's GPU partitioner aborts on this gather there.
+            table_spec = active_spec(("vocab", "embed"))
+            tokens_spec = active_spec(("batch", "length"))
+            return vocab_parallel_take(self._table(), tokens, mesh, table_spec, tokens_spec)
         return jnp.take(self._table(), tokens, axis=0)
 
     def attend(self, x: jax.Array, fp8_matmul: bool = False) -> jax.Array:

@@ -30,7 +30,10 @@ Schedules differ in when B runs: GPipe and circular run every F, then every B in
 a stage keeps the residuals of all its microbatches (m x v); 1F1B runs B of a microbatch as soon
 as its grad arrives, so stage s keeps at most 2(p - s) - 1 (one F and one B share a tick, so
 the round trip to the last stage and back takes twice as many ticks as classic 1F1B's
-alternation, which keeps p - s; the bubble is the same). Bubble: (p-1)/(v m + p-1).
+alternation, which keeps p - s; the bubble is the same). 1F1B with v > 1 virtual stages is
+Megatron's interleaved 1F1B: microbatches go round the ring in groups of p as in circular, and
+a group's backward starts once its last chunk's forward is done, so a stage keeps at most
+2 v p - 1 chunk items however many microbatches run. Bubble: (p-1)/(v m + p-1).
 
 Letters: M microbatches, B rows per microbatch, T length, D model dim.
 """
@@ -111,15 +114,15 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
     p, m, v = stages, microbatches, virtual
     if name not in SCHEDULES:
         raise ConfigError(f"config.pipeline.schedule={name!r}: use one of {', '.join(SCHEDULES)}")
-    if v > 1 and name != "circular":
+    if v > 1 and name == "gpipe":
         raise ConfigError(
-            f"config.pipeline.virtual_stages={v} needs config.pipeline.schedule=circular "
-            f"(here {name}); or set virtual_stages=1"
+            f"config.pipeline.virtual_stages={v} needs config.pipeline.schedule=1f1b or "
+            f"circular (here {name}); or set virtual_stages=1"
         )
     if v > 1 and m % p:
         raise ConfigError(
             f"config.pipeline.microbatches={m} is not divisible by config.mesh.pipeline={p}: "
-            "the circular schedule sends microbatches round the ring in groups of p"
+            "virtual stages send microbatches round the ring in groups of p"
         )
     items = v * m
     n = np.arange(items)
@@ -127,8 +130,12 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -
     chunk = (n // p) % v
     s = np.arange(p)[:, None]
     f_tick = n[None, :] + s
-    if name == "1f1b":  # The last stage runs B right after F; each hop back takes a tick.
-        b_tick = n[None, :] + 2 * (p - 1) - s
+    if name == "1f1b":
+        # A group's B items run its chunks in reverse; each hop back takes a tick, and the
+        # last stage runs the last chunk's B in the tick of its F: item n's B is the stage's
+        # n_b-th, at tick n_b + (v + 1) p - 2 - s (for v = 1, n + 2(p - 1) - s).
+        n_b = (n // (v * p)) * (v * p) + (v - 1 - chunk) * p + n % p
+        b_tick = n_b[None, :] + (v + 1) * p - 2 - s
     else:  # Every F first (the last one at tick v m + p - 2), then every B in reverse.
         b_tick = (items + p - 2) + (items - 1 - n[None, :]) + (p - 1 - s)
     ticks = int(b_tick.max()) + 1

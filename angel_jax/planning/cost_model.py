@@ -136,7 +136,7 @@ def record_efficiency(
 DEFAULT_POINTS = {
     "h100": Calibration(
         "default: experiments/records/h100 llama_1b + fp8_8b_8layers (bf16)",
-        ((44_040_192, 0.472), (218_103_808, 0.583)),
+        ((44_040_192, 0.478), (218_103_808, 0.583)),
         fp8_speedup=1.279,
     ),
     "h200": Calibration(

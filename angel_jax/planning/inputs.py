@@ -104,7 +104,6 @@ class PlanInput:
     device_limit: float
     # Whether the family gives the pieces of a decoder with unrolled layers (`family.Pieces`).
     has_pieces: bool
-    backend: str  # The devices' platform (`machine.backend()`): what the program compiles for.
 
     @property
     def devices(self) -> int:
@@ -188,7 +187,6 @@ def plan_input(
         ),
         device_limit=_device_limit(o.device_gib),
         has_pieces=family.pieces is not None,
-        backend=machine.backend(),
     )
 
 

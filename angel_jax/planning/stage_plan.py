@@ -193,16 +193,6 @@ def make_pipeline_plan(inp: PlanInput, cfg: DecoderShape) -> PipelinePlan:
             raise ConfigError(
                 f"{name}={value} with config.mesh.pipeline={p}: {why}; set {name}={needed}"
             )
-    beside = [a for a, n in mesh_shape.items() if n > 1 and a not in (PIPELINE, TENSOR)]
-    if inp.backend == "gpu" and mesh_shape[TENSOR] > 1 and beside:
-        # Seen on jax 0.11.2 compiling for GPU devices (tests/test_plan.py): a CHECK failure in
-        # XLA's SPMD partitioner ends the process; the same program compiles for CPU devices.
-        raise ConfigError(
-            f"config.mesh.pipeline={p} with config.mesh.tensor={mesh_shape[TENSOR]} and "
-            f"config.mesh.{beside[0]}={mesh_shape[beside[0]]}: XLA's GPU partitioner aborts on "
-            "a pipeline beside tensor and another split axis; beside pipeline, split tensor "
-            "alone or the other axes without tensor"
-        )
     if cfg.num_layers < chunks:
         raise ConfigError(
             f"config.model.num_layers={cfg.num_layers} is fewer than config.mesh.pipeline x "
