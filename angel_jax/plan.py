@@ -57,7 +57,6 @@ class Layout:
     schedule: str = ""  # Pipelines: 1f1b (interleaved with virtual > 1) | gpipe | circular.
     virtual: int = 1
     offload: str = "none"  # none | optimizer (masters and AdamW state in pinned host memory).
-    attention: str = "cudnn"  # Or xla, to cost XLA's attention (the search takes cuDNN's).
 
     def mesh_shape(self) -> dict[str, int]:
         return dict(
@@ -73,7 +72,7 @@ class Layout:
         """The `--config.` overrides that run this layout."""
         o = [f"--config.mesh.{a}={n}" for a, n in self.mesh_shape().items()]
         o += [f"--config.zero_stage={self.zero}", f"--config.offload.policy={self.offload}"]
-        o += [f"--config.model.attention={self.attention}"]
+        o += ["--config.model.attention=cudnn"]
         if self.pipeline > 1:
             o += [
                 "--config.train.microbatches=1",
@@ -97,8 +96,6 @@ class Layout:
         parts.append(f"mb{self.microbatches} {self.remat}")
         if self.offload != "none":
             parts.append("opt->host")
-        if self.attention != "cudnn":
-            parts.append(f"attn={self.attention}")
         return " ".join(parts)
 
 
@@ -133,12 +130,13 @@ class Problem:
         return USABLE * self.gpu.budget_gib - RESERVED_GIB
 
 
-def model_shape(model: ml_collections.ConfigDict, attention: str = "cudnn"):
-    """The family's model config (a DecoderShape) for config.model, as on a GPU."""
+def model_shape(model: ml_collections.ConfigDict):
+    """The family's model config (a DecoderShape) for config.model, as on a GPU (cuDNN's
+    attention: every layout runs it, pipeline stages included)."""
     from angel_jax.models import family_of  # The models import the trainer's planner.
 
     model = ml_collections.ConfigDict(model.to_dict())
-    model.attention = attention
+    model.attention = "cudnn"
     model.ring_blocks = "xla"  # The planner costs kernels itself; no library check here.
     model.moe_kernel = "xla"
     return family_of(model).make_config(model, "gpu")
@@ -189,7 +187,7 @@ def _work_config(
     c = config or ml_collections.ConfigDict(problem.config.to_dict())
     c.zero_stage = layout.zero
     c.mesh.update(layout.mesh_shape())
-    c.model.attention = layout.attention
+    c.model.attention = "cudnn"
     c.model.remat = layout.remat
     c.train.seq_len, c.train.batch_size = problem.seq_len, problem.batch
     c.train.microbatches = 1 if layout.pipeline > 1 else layout.microbatches
@@ -207,15 +205,6 @@ def _work_config(
     return c
 
 
-def _xla_attention_bytes(shape, problem: Problem, layout: Layout) -> float:
-    """One layer's (T, T) temporaries on XLA's attention (scores, probabilities, mask: 11
-    bytes a token, head and key, remat.REMATS["none"].xla_scores), a layer at a time."""
-    if layout.attention == "cudnn":
-        return 0.0
-    tokens = problem.batch / layout.microbatches / layout.data * problem.seq_len / layout.context
-    return 11 * tokens * shape.num_heads / layout.tensor * problem.seq_len / layout.context
-
-
 def memory(
     problem: Problem, shape, layout: Layout, work: ml_collections.ConfigDict | None = None
 ) -> tuple[float, float, object]:
@@ -228,7 +217,7 @@ def memory(
         with _described_gpu(problem):
             inp = plan_input(config, layout.mesh_shape(), stage_cfg, budget={})
         plan = make_pipeline_plan(inp, stage_cfg)
-        device = float(plan.memory_bytes.max()) + _xla_attention_bytes(shape, problem, layout)
+        device = float(plan.memory_bytes.max())
         return device, 0.0, plan
     params = param_count(shape) / tp
     split = lambda stage: dp if layout.zero >= stage else 1

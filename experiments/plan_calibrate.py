@@ -9,8 +9,7 @@ writes the efficiency points the planner reads (experiments/calibration/<gpu>.js
 A layer's time is the difference of a model with 3 layers and one with 1 (embedding and final
 norm cancel; no LM head, no optimizer), each step timed after a warm-up. Its efficiency is the
 layer's FLOPs (6 x its matmul params + 3 x causal attention, per token) over the peak. At tp=4
-it also times the layer with XLA's attention (the pipeline's stages run it) and with FP8
-matmuls, for the planner's `xla_attention_efficiency` and `fp8_speedup`.
+it also times the layer with FP8 matmuls, for the planner's `fp8_speedup`.
 """
 
 import argparse
@@ -69,10 +68,7 @@ def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str)
     for tp in tps:
         variants = [("bf16", [])]
         if tp == 4 or len(tps) == 1:
-            variants += [
-                ("xla", ["--config.model.attention=xla"]),
-                ("fp8", ["--config.fp8.matmul=true"]),
-            ]
+            variants += [("fp8", ["--config.fp8.matmul=true"])]
         base = load_config(config_path)
         shard = [
             f"--config.model.num_heads={base.model.num_heads // tp}",
@@ -110,16 +106,9 @@ def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str)
         seq_len=seq_len,
         points=points,
     )
-    tp = 4 if (4, "xla") in extra else tps[0]
-    if (tp, "xla") in extra:
-        bf16, xla = extra[tp, "bf16"], extra[tp, "xla"]
-        shape = model_shape(load_config(config_path).model)
-        att = 3 * shape.layer_attention_flops(seq_len) / tp * seq_len  # The shard's attention.
-        cudnn_att_s = att / (bf16["efficiency"] * peak)  # At the layer's rate: an assumption.
-        out["xla_attention_efficiency"] = att / (
-            peak * (xla["layer_s"] - bf16["layer_s"] + cudnn_att_s)
-        )
-        out["fp8_speedup"] = bf16["layer_s"] / extra[tp, "fp8"]["layer_s"]
+    tp = 4 if (4, "fp8") in extra else tps[0]
+    if (tp, "fp8") in extra:
+        out["fp8_speedup"] = extra[tp, "bf16"]["layer_s"] / extra[tp, "fp8"]["layer_s"]
     return out
 
 

@@ -1,7 +1,7 @@
 """The run planner (angel_jax/plan.py) against published large runs: for each, the cost model's
 prediction for the publisher's layout as their system runs it (the model's check: the goal is
 within 15% of the published figure), for the same layout as our trainer would run it (our
-pipeline schedules, XLA's attention in pipelined stages, our memory), and for our best layout.
+pipeline schedules, our memory), and for our best layout.
 
     python experiments/plan_published.py [--out published.json]
 

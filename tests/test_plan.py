@@ -58,7 +58,7 @@ def test_bubble_and_tensor_traffic_follow_the_layout():
     )
     assert wider.tensor_s > base.tensor_s > 0  # Larger rings and more of them per device.
     # Megatron's interleaved 1F1B: bubble = compute (p-1)/(v m).
-    piped = plan.Layout(2, 4, 4, 2, 1, "dots_attention", 64, "circular", 5)
+    piped = plan.Layout(2, 4, 4, 2, 1, "dots_attention", 64, "1f1b", 5)
     br = cost_model.step_time(shape, piped, 8192, 128, p.gpu, p.calibration, cost_model.MEGATRON)
     assert br.bubble_s == pytest.approx(br.compute_s * 3 / 5 / 64)
 
@@ -164,7 +164,7 @@ def test_pipeline_stages_compile_for_gpus_beside_split_axes():
     # split over tensor beside data): those run in regions manual over the other axes too.
     p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
     for data, tensor in ((4, 1), (1, 4), (2, 2)):
-        layout = plan.Layout(data, tensor, 2, 1, 1, "full", 4, "1f1b", attention="cudnn")
+        layout = plan.Layout(data, tensor, 2, 1, 1, "full", 4, "1f1b")
         got = plan.compile_layout(p, layout, hosts=1)
         assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
         assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]

@@ -110,8 +110,6 @@ class Calibration:
 
     source: str
     points: tuple[tuple[float, float], ...]
-    # XLA's attention (the pipeline's stages, where cuDNN's cannot run) against the layer's.
-    xla_attention_efficiency: float = 0.25
     fp8_speedup: float = 1.0  # The step's speed-up with FP8 matmuls (no FP8 record: 1).
 
     def efficiency(self, params_per_device: float) -> float:
@@ -166,7 +164,6 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
         f"measured: {path.relative_to(REPO) if path.is_relative_to(REPO) else path} "
         f"({data.get('device', '?')}, {data.get('date', '?')})",
         tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
-        data.get("xla_attention_efficiency", default.xla_attention_efficiency),
         data.get("fp8_speedup", default.fp8_speedup),
     )
 
@@ -276,7 +273,7 @@ def step_time(
     layers = shape.num_layers / pp
 
     matmul, attention = layer_flops_per_token(shape, seq_len)
-    results = has_attention_results("cudnn" if layout.attention == "cudnn" else "xla", cp)
+    results = has_attention_results("cudnn", cp)
     share_attention, share_matmul = REMATS[kept(layout.remat, results)].recompute or (1, 1)
     eff = cal.efficiency(shape.layer_matmul_params() / tp)
     if fp8:
@@ -284,14 +281,11 @@ def step_time(
     peak = gpu.peak_tflops * 1e12
     attention_work = (3 + share_attention) * attention / tp  # Per token, per device.
     layer_work = (3 + share_matmul) * matmul / tp + attention_work
-    xla_extra = 0.0  # XLA's attention runs at its own (lower) efficiency.
-    if layout.attention != "cudnn":
-        xla_extra = attention_work * (1 / cal.xla_attention_efficiency - 1 / eff)
     head = 3 * 2 * shape.d_model * shape.vocab_size / tp  # LM head forward + backward.
-    per_token_s = (layers * (layer_work / eff + xla_extra) + head / pp / eff) / peak
+    per_token_s = (layers * layer_work / eff + head / pp / eff) / peak
     compute = tokens * per_token_s
     if critical_flops is not None:  # Our schedule's critical path, bubble included.
-        bubble = critical_flops / (peak * eff) + tokens * layers * xla_extra / peak - compute
+        bubble = critical_flops / (peak * eff) - compute
         bubble = max(bubble, 0.0)
     elif pp > 1:
         v = layout.virtual if system.interleaved_1f1b else 1
