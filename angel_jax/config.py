@@ -45,9 +45,9 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Pipeline parallelism over config.mesh.pipeline stages (angel_jax/parallel/pipeline.py).
     c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b | circular (virtual stages).
+    c.pipeline.schedule = "1f1b"  # gpipe | 1f1b (interleaved with virtual stages) | circular.
     c.pipeline.microbatches = 4  # The batch goes through the stages in this many parts.
-    c.pipeline.virtual_stages = 1  # Chunks per stage, for the circular schedule.
+    c.pipeline.virtual_stages = 1  # Chunks per stage, for 1f1b or circular.
     # Layers per stage: auto (cost model: the embedding on the first stage, the LM head and
     # loss on the last) | even | counts per chunk, e.g. "12,10".
     c.pipeline.balance = "auto"
