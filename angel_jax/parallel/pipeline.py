@@ -32,8 +32,8 @@ as its grad arrives, so stage s keeps at most 2(p - s) - 1 (one F and one B shar
 the round trip to the last stage and back takes twice as many ticks as classic 1F1B's
 alternation, which keeps p - s; the bubble is the same). 1F1B with v > 1 virtual stages is
 Megatron's interleaved 1F1B: microbatches go round the ring in groups of p as in circular, and
-a group's backward starts once its last chunk's forward is done, so a stage keeps at most
-2 v p - 1 chunk items however many microbatches run. Bubble: (p-1)/(v m + p-1).
+a group's backward starts once its last chunk's forward is done, so stage s keeps at most
+(v - 1) p + 2(p - s) - 1 chunk items however many microbatches run. Bubble: (p-1)/(v m + p-1).
 
 Letters: M microbatches, B rows per microbatch, T length, D model dim.
 """
