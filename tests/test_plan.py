@@ -162,9 +162,10 @@ def test_pipeline_stages_compile_for_gpus_beside_split_axes():
     # A stage's region is manual over `pipeline` only. XLA's GPU partitioner aborts on some of
     # what it would partition there (cuDNN's attention call; a gather from the embedding table
     # split over tensor beside data): those run in regions manual over the other axes too.
-    p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
-    for data, tensor in ((4, 1), (1, 4), (2, 2)):
-        layout = plan.Layout(data, tensor, 2, 1, 1, "full", 4, "1f1b")
+    bf16_4_layers = ["--config.model.dtype=bfloat16", "--config.model.num_layers=4"]
+    p = problem(8, "configs/tiny.py", overrides=bf16_4_layers)
+    for data, tensor, virtual in ((4, 1, 1), (1, 4, 1), (2, 2, 2)):  # 2: interleaved 1F1B.
+        layout = plan.Layout(data, tensor, 2, 1, 1, "full", 4, "1f1b", virtual)
         got = plan.compile_layout(p, layout, hosts=1)
         assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
         assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
