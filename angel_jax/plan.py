@@ -229,7 +229,7 @@ def memory(
         device = params * (2 / split(3) + grads / split(2))
         host = params * (2 + 8) / split(1)
     else:
-        per_param = state_bytes_per_param(layout.zero, dp, accumulator=False)
+        per_param = state_bytes_per_param(layout.zero, dp)
         device = params * (per_param + 4 * accumulating / split(2))
         host = 0.0
     with _described_gpu(problem):

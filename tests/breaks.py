@@ -1046,6 +1046,25 @@ BREAKS = [
         "",
         ["tests/test_pipeline.py::test_vocab_parallel_take_is_take"],
     ),
+    (
+        "a stage stacks a chunk's layer grads before adding them to the accumulators",
+        "angel_jax/parallel/pipeline.py",
+        (
+            "            return (d_h, jax.tree.map(add, grads, d_params)), None",
+            "        (d_h, grads), _ = jax.lax.scan(body, (d_h, grads), xs, reverse=True)",
+        ),
+        (
+            "            return (d_h, grads), d_params",
+            "        (d_h, grads), d_layers = jax.lax.scan(body, (d_h, grads), xs, reverse=True)\n"
+            "        grads = jax.tree.map(\n"
+            "            lambda acc, d: acc.at[chunk].add(keep(d)), grads, d_layers\n"
+            "        )",
+        ),
+        [
+            "tests/test_pipeline.py::"
+            "test_a_stage_adds_each_layers_grads_to_its_accumulators_in_the_layer_loop"
+        ],
+    ),
 ]
 
 

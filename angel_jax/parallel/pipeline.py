@@ -426,6 +426,15 @@ class _OnStage:
     def is_first(self, chunk):
         return (self.s == 0) & (chunk == 0)
 
+    @property
+    def slots(self):
+        return jnp.arange(self.mask.shape[1])
+
+    def layer(self, chunk, slot):
+        """One layer slot's weights, indexed in the layer loop: a chunk's weights picked whole
+        would be a float32 copy of them."""
+        return jax.tree.map(lambda x: x[chunk, slot], self.layers)
+
     def is_last(self, chunk):
         schedule = self.program.schedule
         return (self.s == schedule.stages - 1) & (chunk == schedule.virtual - 1)
@@ -441,11 +450,11 @@ class _OnStage:
         )
 
         def body(h, xs):
-            params, present = xs
+            slot, present = xs
             skip = lambda params, h: (h, _zeros(self.layer_saved))
-            return g.maybe(present, g.layer_forward, skip, params, h)
+            return g.maybe(present, g.layer_forward, skip, self.layer(chunk, slot), h)
 
-        h, saved = jax.lax.scan(body, h, (_pick(self.layers, chunk), self.mask[chunk]))
+        h, saved = jax.lax.scan(body, h, (self.slots, self.mask[chunk]))
         no_head = lambda: (
             jnp.zeros((), jnp.float32),
             _zeros({k: x for k, x in g.values_shape.items() if k != "objective"}),
@@ -456,8 +465,10 @@ class _OnStage:
         )
         return h, (saved, saved_head), {"objective": objective, **metrics}
 
-    def chunk_backward(self, chunk, mb, saved, g_out):
-        """(grads of the chunk's layers, of `shared`, of its input) from its residuals."""
+    def chunk_backward(self, chunk, mb, saved, g_out, grads, keep):
+        """(`grads` with the chunk's layers' grads added, of `shared`, of its input) from its
+        residuals; `keep` masks a grad before it is added. Each layer's grads go straight
+        into the accumulators: a chunk's stacked grads would be a float32 copy of its layers."""
         g, shared = self.program, self.shared
         saved_layers, saved_head = saved
 
@@ -469,25 +480,29 @@ class _OnStage:
         no_head = lambda: (_zeros(shared), g.pin(g_out))
         d_shared, d_h = jax.lax.cond(self.is_last(chunk), head, no_head)
 
-        def body(d_h, xs):
-            params, saved, present = xs
+        def body(carry, xs):
+            d_h, grads = carry
+            slot, saved, present = xs
+            params = self.layer(chunk, slot)
 
             def layer_backward(params, saved, d_h):
                 d_params, d_h = g.layer_residuals.restore(saved, params)(d_h)
                 return g.pin(d_h), d_params
 
             skip = lambda params, saved, d_h: (d_h, _zeros(params))
-            return g.maybe(present, layer_backward, skip, params, saved, d_h)
+            d_h, d_params = g.maybe(present, layer_backward, skip, params, saved, d_h)
+            add = lambda acc, d: acc.at[chunk, slot].add(keep(d))
+            return (d_h, jax.tree.map(add, grads, d_params)), None
 
-        xs = (_pick(self.layers, chunk), saved_layers, self.mask[chunk])
-        d_h, d_layers = jax.lax.scan(body, d_h, xs, reverse=True)
+        xs = (self.slots, saved_layers, self.mask[chunk])
+        (d_h, grads), _ = jax.lax.scan(body, (d_h, grads), xs, reverse=True)
 
         def embed():
             _, vjp = jax.vjp(lambda shared: g.fns.embed(shared, self.tokens[mb]), shared)
             return jax.tree.map(jnp.add, d_shared, vjp(d_h)[0]), g.h_zeros()
 
         d_shared, d_x = jax.lax.cond(self.is_first(chunk), embed, lambda: (d_shared, d_h))
-        return d_layers, d_shared, d_x
+        return grads, d_shared, d_x
 
 
 def _tick(on: _OnStage, carry, rows):
@@ -531,8 +546,9 @@ def _backward_phase(on: _OnStage, work, any_b, recv_b, kept, grads, shared_grads
     keep = lambda grad: jnp.where(b_active, grad, 0).astype(jnp.float32)
 
     def backward(grads, shared_grads):
-        d_layers, d_shared, d_x = on.chunk_backward(b_chunk, b_mb, _pick(kept, b_slot), recv_b)
-        grads = jax.tree.map(lambda acc, d: acc.at[b_chunk].add(keep(d)), grads, d_layers)
+        grads, d_shared, d_x = on.chunk_backward(
+            b_chunk, b_mb, _pick(kept, b_slot), recv_b, grads, keep
+        )
         shared_grads = jax.tree.map(lambda acc, d: acc + keep(d), shared_grads, d_shared)
         d_x = jnp.where(b_active, d_x, 0).astype(recv_b.dtype)
         return g.pin(d_x), *g.pin_grads(grads, shared_grads)

@@ -268,11 +268,12 @@ def _memory_bytes(
     p, v, mesh_shape = schedule.stages, schedule.virtual, inp.mesh
     dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
     rows = tokens * tp
-    # fp32 masters, grads, the pipeline's grad accumulators and AdamW moments, ZeRO-split.
-    per_param = state_bytes_per_param(inp.zero_stage, dp, accumulator=True)
+    # fp32 masters, the grad accumulators and AdamW moments, ZeRO-split.
+    per_param = state_bytes_per_param(inp.zero_stage, dp)
     layer_params = cfg.layer_matmul_params()  # A dense layer's (pipelines take no experts).
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-    state = (layout.slots * v * layer_params + shared) * per_param / tp
+    # A B's grads of the embedding and head, before they join their accumulator.
+    state = (layout.slots * v * layer_params + shared) * per_param / tp + shared * 4 / tp
     dtype_bytes = np.dtype(cfg.dtype).itemsize
     widths = per_device_widths(
         cfg.d_model,
