@@ -22,6 +22,16 @@ DATA, PIPELINE, EXPERT, CONTEXT, SEQUENCE, TENSOR = AXES = (
     "sequence",
     "tensor",
 )
+# ZeRO splits param-shaped states over these axes: their ranks hold the same params and see
+# different tokens, so each can keep a share (Megatron's distributed optimizer splits over
+# data x context; MaxText's FSDP over context and sequence too).
+ZERO_AXES = (DATA, CONTEXT, SEQUENCE)
+
+
+def zero_axes(sizes, fp8_collectives: bool = False) -> tuple[str, ...]:
+    """The axes ZeRO splits states over on a mesh of `sizes` (axis -> size). FP8 collectives
+    gather over `data` only (parallel/fp8_collectives.py), so with them ZeRO keeps to it."""
+    return tuple(a for a in ((DATA,) if fp8_collectives else ZERO_AXES) if sizes[a] > 1)
 
 
 def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

@@ -202,6 +202,7 @@ def _work_config(
     # on the device, as the memory model here counts them.
     c.offload.device_gib = problem.gpu.budget_gib
     c.offload.activations = "device"
+    c.offload.policy = layout.offload
     return c
 
 
@@ -211,7 +212,6 @@ def memory(
     """(device bytes, pinned host bytes, the pipeline plan or None) of `layout`; `work`: a
     copy of problem.config to set up for it (a search reuses one)."""
     config = _work_config(problem, layout, work)
-    dp, tp = layout.data, layout.tensor
     if layout.pipeline > 1:
         stage_cfg = dataclasses.replace(shape, remat=layout.remat)
         with _described_gpu(problem):
@@ -219,8 +219,10 @@ def memory(
         plan = make_pipeline_plan(inp, stage_cfg)
         device = float(plan.memory_bytes.max())
         return device, 0.0, plan
-    params = param_count(shape) / tp
-    split = lambda stage: dp if layout.zero >= stage else 1
+    with _described_gpu(problem):
+        inp = plan_input(config, layout.mesh_shape(), shape, budget={})
+    params = param_count(shape) / layout.tensor
+    split = lambda stage: inp.zero_ranks if layout.zero >= stage else 1
     accumulating = layout.microbatches > 1
     if layout.offload == "optimizer":
         # A bf16 compute copy and bf16 grads on the device (float32 while accumulating, and
@@ -229,11 +231,10 @@ def memory(
         device = params * (2 / split(3) + grads / split(2))
         host = params * (2 + 8) / split(1)
     else:
-        per_param = state_bytes_per_param(layout.zero, dp)
+        per_param = state_bytes_per_param(layout.zero, inp.zero_ranks)
         device = params * (per_param + 4 * accumulating / split(2))
         host = 0.0
     with _described_gpu(problem):
-        inp = plan_input(config, layout.mesh_shape(), shape, budget={})
         acts = activation_bytes(inp, layout.remat)
     device += acts["layer inputs"] + acts["activations"]
     return device, host + acts["offloaded activations"], None

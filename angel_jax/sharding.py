@@ -1,10 +1,11 @@
 """Logical axis names and the one table that maps them to mesh axes.
 
 Model code names the dimensions of its params and activations with `LOGICAL_AXES`; `axis_rules`
-decides where each lives on the mesh for a given config. ZeRO then adds the `data` axis to the
-param-shaped states it shards (`zero_spec`). Compute layouts never contain that extra `data`
-sharding, so under ZeRO-3 each layer's weights are all-gathered where they are used and their
-gradients reduce-scattered on the way back.
+decides where each lives on the mesh for a given config. ZeRO then adds its axes (the table's
+`zero` entry: `data`, and `context` and `sequence` where split) to the param-shaped states it
+shards (`zero_spec`). Compute layouts never contain that extra split, so under ZeRO-3 each
+layer's weights are all-gathered where they are used and their gradients reduce-scattered on
+the way back.
 """
 
 import contextlib
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ConfigError
-from angel_jax.mesh import CONTEXT, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR
+from angel_jax.mesh import CONTEXT, DATA, EXPERT, PIPELINE, SEQUENCE, TENSOR, zero_axes
 
 LOGICAL_AXES = (
     "batch",
@@ -113,6 +114,8 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         # Stacked layers, stored stage by stage (parallel/pipeline.py), split over the stages.
         "layers": PIPELINE if pp > 1 else None,
         "expert": EXPERT if ep > 1 else None,
+        # Not an array dimension: the axes ZeRO splits param-shaped states over (`zero_spec`).
+        "zero": _axes(zero_axes(mesh.shape, config.fp8.collectives)),
     }
 
 
@@ -209,33 +212,34 @@ def logical_axes(boxed_tree) -> dict:
     return nn.get_partition_spec(boxed_tree)
 
 
-def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, keep: tuple[int, ...] = ()) -> P:
-    """Adds the `data` axis to the largest free dimension it divides (ZeRO sharding), never to
-    the dimensions in `keep`.
+def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, axes, keep: tuple[int, ...] = ()) -> P:
+    """Adds ZeRO's `axes` (the rules' `zero` entry) to the largest free dimension their ranks
+    divide, never to the dimensions in `keep`; where none divides by all of them, the largest
+    leading group of them that does (`data` alone, say).
 
-    A state too small to split stays replicated over `data`; that costs little, and every
-    large weight matrix has a dimension divisible by any sensible data-parallel size.
+    A state too small to split stays replicated; that costs little, and every large weight
+    matrix has a dimension divisible by any sensible data-parallel size.
     """
-    dp = mesh.shape[DATA]
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if dp == 1:
-        return P(*entries)
-    free = [d for d, e in enumerate(entries) if e is None and shape[d] % dp == 0 and d not in keep]
-    if not free:
-        return P(*entries)
-    best = max(free, key=lambda d: shape[d])
-    entries[best] = DATA
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for n in range(len(axes), 0, -1):
+        ranks = math.prod(mesh.shape[a] for a in axes[:n])
+        free = [d for d, e in enumerate(entries) if e is None and shape[d] % ranks == 0]
+        free = [d for d in free if d not in keep]
+        if free:
+            entries[max(free, key=lambda d: shape[d])] = _axes(axes[:n])
+            break
     return P(*entries)
 
 
 def state_specs(logical_tree, abstract_tree, mesh: Mesh, rules: Rules, zero: bool):
-    """PartitionSpecs for a param-shaped tree: the logical layout, plus `data` if `zero`."""
+    """PartitionSpecs for a param-shaped tree: the logical layout, plus ZeRO's axes if `zero`."""
 
     def one(names: P, abstract):
         spec = logical_to_spec(tuple(names), rules)
         # The layer axis stays whole: scans and the streamed update slice it per layer.
         layer_dims = tuple(d for d, n in enumerate(names) if n == "layers")
-        return zero_spec(spec, abstract.shape, mesh, layer_dims) if zero else spec
+        return zero_spec(spec, abstract.shape, mesh, rules["zero"], layer_dims) if zero else spec
 
     return jax.tree.map(one, logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, P))
 

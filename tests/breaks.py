@@ -365,6 +365,13 @@ BREAKS = [
         ["tests/test_train_parity.py::test_zero_stage_layouts[3]"],
     ),
     (
+        "ZeRO splits states over data only, not context and sequence",
+        "angel_jax/mesh.py",
+        "ZERO_AXES = (DATA, CONTEXT, SEQUENCE)",
+        "ZERO_AXES = (DATA,)",
+        ["tests/test_train_parity.py::test_zero_splits_over_context_and_sequence"],
+    ),
+    (
         "compiled memory not checked on a CPU",
         "angel_jax/planning/compiled.py",
         'return machine.backend() != "cpu" or device_gib <= 0',

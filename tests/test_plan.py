@@ -73,7 +73,8 @@ def test_the_memory_check_refuses_and_names_why():
     replicated = plan.evaluate(p, shape, plan.Layout(16, 4, 1, 1, 0, "dots_attention", 8))
     assert not replicated.fits
     assert replicated.memory_gib > 70.6e9 / 4 * 16 / 2**30
-    fits, over = plan.search(p)
+    # On 64 GPUs every mesh has a layout that fits; on 32 some have none.
+    fits, over = plan.search(problem(gpus=32))
     assert all(c.fits for c in fits) and all(not c.fits for c in over)
     assert any("over memory" in line for line in plan.why_lost(fits, over))
     # The mechanism off (a budget no layout meets): nothing may fit.

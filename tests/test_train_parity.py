@@ -8,6 +8,7 @@ from angel_jax import sharding
 from angel_jax.config import default_config
 from angel_jax.data import make_batches
 from angel_jax.mesh import make_mesh
+from angel_jax.planning.inputs import plan_input
 from angel_jax.train import build
 
 
@@ -77,6 +78,11 @@ CASES = {
     "data4_tensor2_zero3_adafactor": dict(
         zero_stage=3, mesh__data=4, mesh__tensor=2, train__optimizer="adafactor"
     ),
+    # ZeRO splits over context and sequence too (test_zero_splits_over_context_and_sequence).
+    "data2_context2_sequence2_zero3": dict(
+        zero_stage=3, mesh__data=2, mesh__context=2, mesh__sequence=2
+    ),
+    "data2_context4_zero2": dict(zero_stage=2, mesh__data=2, mesh__context=4),
 }
 
 
@@ -96,6 +102,28 @@ def test_sharded_equals_single_device(case, reference):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), final, ref_final
     )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_splits_over_context_and_sequence(stage):
+    """Ranks of `context` and `sequence` hold the same params as those of `data` and see other
+    tokens: ZeRO splits the states over all three (8 ways on 2 x 2 x 2), as Megatron's
+    distributed optimizer splits over data x context."""
+    config = small_config(zero_stage=stage, mesh__data=2, mesh__context=2, mesh__sequence=2)
+    exp = build(config, make_mesh(config.mesh))
+    state = exp.init_state()
+    big = lambda tree: [x for x in jax.tree.leaves(tree) if x.size >= 4096]
+    local = lambda tree: sum(x.addressable_shards[0].data.size for x in big(tree))
+    total = lambda tree: sum(x.size for x in big(tree))
+    assert local(state.opt_state) * 8 == total(state.opt_state)
+    assert local(state.params) * (8 if stage == 3 else 1) == total(state.params)
+    with sharding.use_rules(exp.mesh, exp.rules):
+        _, grads = jax.jit(exp.grads.loss_and_grads)(
+            state.params, exp.global_batch(make_batches(config)[0])
+        )
+    assert local(grads) * (8 if stage >= 2 else 1) == total(grads)
+    # The planner splits them as the trainer does.
+    assert plan_input(config, exp.mesh).zero_ranks == 8
 
 
 def specs(tree):

@@ -128,7 +128,7 @@ def zero3_dot(x, w, axes: tuple[str, ...], n_in: int, fp8_matmul: bool) -> jax.A
     mesh = sharding.active_mesh()
     forward, _, _ = fp8.dims(x.ndim, w.ndim, n_in)
     dot = fp8.matmul if fp8_matmul else lambda x, w, n_in: jax.lax.dot_general(x, w, forward)
-    stored = sharding.zero_spec(sharding.active_spec(axes), w.shape, mesh)
+    stored = sharding.zero_spec(sharding.active_spec(axes), w.shape, mesh, sharding.rule("zero"))
     if DATA not in stored:  # Too small to split: replicated, nothing to gather.
         return dot(x, sharding.constrain(w, axes), n_in)
     dim = list(stored).index(DATA)

@@ -300,12 +300,13 @@ def step_time(
     tensor = passes * layers * m * all_reduce_s(mb_tokens * shape.d_model * 2, tp, links["tensor"])
     tensor *= system.tp_exposed
 
-    # Data parallel over data x context (the grads' replicas); ZeRO-3 gathers over data.
+    # Data parallel over data x context: the grads' replicas, and ZeRO's split of the states
+    # (mesh.ZERO_AXES; Megatron's distributed optimizer splits over both too).
     params = (shape.matmul_params() + shape.vocab_size * shape.d_model) / (tp * pp)
     group = dp * cp
     dl = links["data"] if dp > 1 else links["context"]
     if layout.zero == 3:
-        gathers = 2 * m * all_gather_s(params * system.gather_bytes, dp, links["data"])
+        gathers = 2 * m * all_gather_s(params * system.gather_bytes, group, dl)
         scatters = m * reduce_scatter_s(params * system.grad_bytes, group, dl)
         dp_total = gathers + scatters
         data = max(dp_total - compute, 0.0) + dp_total / max(layers, 1)
@@ -331,6 +332,6 @@ def step_time(
         nbytes = mb_tokens * shape.d_model * 2 / tp
         pipe = 2 * (pp - 1) * layout.virtual * send_s(nbytes, links["pipeline"])
 
-    split = dp if layout.zero >= 1 else 1
+    split = group if layout.zero >= 1 else 1
     upd = update_s(params / split, gpu, layout.offload == "optimizer")
     return Breakdown(compute, bubble, tensor, data, context, pipe, upd)

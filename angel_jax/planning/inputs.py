@@ -15,6 +15,7 @@ import ml_collections
 from angel_jax import machine
 from angel_jax.config import head_dim
 from angel_jax.kernels import resolve_attention
+from angel_jax.mesh import zero_axes
 from angel_jax.planning import tiers
 
 
@@ -98,6 +99,7 @@ class PlanInput:
     pipeline: Pipeline
     zero_stage: int
     mesh: Mapping[str, int]  # Axis -> size.
+    zero_ranks: int  # The devices ZeRO splits a state over (`mesh.zero_axes`).
     processes: int  # jax.process_count(): the hybrid update and the pinned pool are per process.
     budget: Mapping[str, int]  # Tier -> bytes per device (`tiers.measured_budget`).
     # The stage planner's device budget: config.offload.device_gib, else the device's limit.
@@ -181,6 +183,7 @@ def plan_input(
         pipeline=Pipeline(p.schedule, p.microbatches, p.virtual_stages, p.remat, p.balance),
         zero_stage=config.zero_stage,
         mesh=sizes,
+        zero_ranks=math.prod(sizes[a] for a in zero_axes(sizes, config.fp8.collectives)),
         processes=jax.process_count(),
         budget=dict(
             tiers.measured_budget(config, math.prod(sizes.values())) if budget is None else budget

@@ -25,11 +25,11 @@ def splits_masters(compute_dtype) -> bool:
     return np.dtype(compute_dtype) == np.dtype(ml_dtypes.bfloat16)
 
 
-def state_bytes_per_param(zero_stage: int, data: int) -> float:
-    """Bytes per device of one parameter's float32 states, split over `data` devices as
-    `zero_stage` says: the param, its grad (a pipeline's grad accumulator) and AdamW's two
+def state_bytes_per_param(zero_stage: int, ranks: int) -> float:
+    """Bytes per device of one parameter's float32 states, split over ZeRO's `ranks` devices
+    as `zero_stage` says: the param, its grad (a pipeline's grad accumulator) and AdamW's two
     moments."""
-    share = {s: 1 / data if zero_splits(s, zero_stage) else 1 for s in ZERO_SPLITS}
+    share = {s: 1 / ranks if zero_splits(s, zero_stage) else 1 for s in ZERO_SPLITS}
     return 4 * share["params"] + 4 * share["grads"] + 8 * share["optimizer state"]
 
 

@@ -11,7 +11,6 @@ import numpy as np
 
 from angel_jax import lora
 from angel_jax.config import ACTIVATION_TIERS, ConfigError, choose
-from angel_jax.mesh import DATA
 from angel_jax.planning import activations, tiers
 from angel_jax.planning.chunks import (
     hybrid_share,
@@ -256,7 +255,7 @@ class _StateSizes:
         gathered."""
         inp = self.inp
         f32_sum = layer_params * 4 // self.compute_dtype.itemsize if self.accumulating else 0
-        gathered = inp.mesh[DATA] if zero_splits("params", inp.zero_stage) else 1
+        gathered = inp.zero_ranks if zero_splits("params", inp.zero_stage) else 1
         return {
             "compute params": other_params,
             "grads": other_grads,

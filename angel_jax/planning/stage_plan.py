@@ -30,7 +30,7 @@ import numpy as np
 
 from angel_jax.config import ConfigError
 from angel_jax.family import DecoderShape
-from angel_jax.mesh import CONTEXT, DATA, PIPELINE, TENSOR
+from angel_jax.mesh import CONTEXT, PIPELINE, TENSOR
 from angel_jax.metrics import peak_tflops
 from angel_jax.parallel.pipeline import IDLE, Schedule, StageLayout, make_schedule
 from angel_jax.planning.activations import auto_order, layer_flops
@@ -266,10 +266,10 @@ def _memory_bytes(
     are a microbatch's per device of the work (split over `tensor` too), so a device holds
     the activations of tokens x tensor."""
     p, v, mesh_shape = schedule.stages, schedule.virtual, inp.mesh
-    dp, tp = mesh_shape[DATA], mesh_shape[TENSOR]
+    tp = mesh_shape[TENSOR]
     rows = tokens * tp
     # fp32 masters, the grad accumulators and AdamW moments, ZeRO-split.
-    per_param = state_bytes_per_param(inp.zero_stage, dp)
+    per_param = state_bytes_per_param(inp.zero_stage, inp.zero_ranks)
     layer_params = cfg.layer_matmul_params()  # A dense layer's (pipelines take no experts).
     shared = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     # A B's grads of the embedding and head, before they join their accumulator.
