@@ -7,6 +7,7 @@ schema lives in one place and a typo on the command line is an error, not a sile
 import ast
 import difflib
 import importlib.util
+import json
 import pathlib
 
 import ml_collections
@@ -305,6 +306,25 @@ def load_config(path: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
             f"{(str(e).splitlines() or [''])[0]}"
         ) from None
     _check_known_keys(config, default_config(), f"--config {path}")
+    config.lock()
+    apply_overrides(config, overrides)
+    return config
+
+
+def recorded_config(workdir: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """The config a training run recorded in WORKDIR/config.json (the train loop writes it at
+    its start), with `overrides` applied: what export and generate use without --config."""
+    path = pathlib.Path(workdir) / "config.json"
+    fix = "pass --config, the run's config file, with the overrides it was trained with"
+    if not path.is_file():
+        raise ConfigError(f"--checkpoint {workdir}: no config.json there to read the run; {fix}")
+    try:
+        recorded = json.loads(path.read_text())
+        config = default_config()
+        config.update(recorded)
+    except (ValueError, TypeError, KeyError) as e:  # Not JSON, or a value of another type.
+        raise ConfigError(f"{path}: cannot be read as a run's config ({e}); {fix}") from None
+    _check_known_keys(config, default_config(), str(path))
     config.lock()
     apply_overrides(config, overrides)
     return config

@@ -1,12 +1,13 @@
 """Exports a training run's latest checkpoint as a Hugging Face checkpoint directory, which
 `transformers`' from_pretrained loads and `--config.init_from_hf` imports again.
 
-    python -m angel_jax.export --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
-        --out /tmp/angel-tiny-hf [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite]
+    python -m angel_jax.export --checkpoint /tmp/angel-tiny --out /tmp/angel-tiny-hf \\
+        [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite] [--config FILE]
 
-Pass the config and the overrides the run was trained with: its workdir's config.json records
-them, and a model setting that would change the exported config.json is named with its fix
-(settings of how to compute, such as kernels, remat or dtype, may differ). --out gets
+The run's config is the one its workdir recorded (config.json), `--config.KEY=VALUE` overrides
+on top (e.g. a mesh for the devices at hand). With --config, pass the config and the overrides
+the run was trained with: a model setting that would change the exported config.json is named
+with its fix (settings of how to compute, such as kernels, remat or dtype, may differ). --out gets
 config.json and the weights as safetensors: model.safetensors, or, above --max-shard-size,
 shards model-00001-of-0000N.safetensors with model.safetensors.index.json, as transformers
 writes them. With them goes the run's tokenizer: the tokenizer files of its init_from_hf
@@ -185,14 +186,17 @@ def export(exp, params, out: pathlib.Path, dtype: str, max_shard_bytes: int, tok
 def export_run(args, overrides: list[str]) -> list[str]:
     """Exports the run that the parsed `args` and `overrides` name; returns the names of the
     files in --out."""
-    from angel_jax.config import load_config
+    from angel_jax.config import load_config, recorded_config
     from angel_jax.mesh import make_mesh
     from angel_jax.train import build
 
     workdir, out = pathlib.Path(args.checkpoint), pathlib.Path(args.out)
     max_shard_bytes = shard_bytes(args.max_shard_size)
     check_paths(workdir, out, args.overwrite)
-    config = load_config(args.config, overrides)
+    if args.config:
+        config = load_config(args.config, overrides)
+    else:
+        config = recorded_config(workdir, overrides)
     run = run_config(workdir, config)
     tokenizer = tokenizer_files(args.tokenizer, run)
     exp = build(config, make_mesh(config.mesh), fit_compiled=False)  # No step runs.
@@ -223,7 +227,7 @@ def export_run(args, overrides: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--config", required=True, help="the run's config: a file or a shipped config's name"
+        "--config", help="the run's config file or shipped name (default: the one it recorded)"
     )
     parser.add_argument("--checkpoint", required=True, help="the run's workdir (latest checkpoint)")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")

@@ -1,9 +1,9 @@
 """Text generation for our decoders (Llama, Mixtral, GPT-2): greedy or temperature/top-k
 sampling with a KV cache.
 
-    python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
+    python -m angel_jax.generate --checkpoint /tmp/angel-tiny \\
         --prompt "The quick" --steps 32 [--temperature 0.8 --top-k 40]
-    python -m angel_jax.generate --config configs/tiny.py --checkpoint /tmp/angel-tiny \\
+    python -m angel_jax.generate --checkpoint /tmp/angel-tiny \\
         --prompt-tokens 72,101,108,108,111 --steps 32
     python -m angel_jax.generate --config configs/llama_finetune.py \\
         --config.init_from_hf=/path/to/hf_llama --prompt-tokens 1,450,4996 --steps 16
@@ -15,6 +15,8 @@ under the training rules (the params in their training layout, batch over `data`
 `tensor`). GPT-2 generates at most config.model.max_positions positions, its table's rows;
 past the length the model was trained at (config.train.seq_len) generation warns. Text is
 refused where the tokenizer cannot decode the model's ids: give --tokenizer, or use ids.
+A --checkpoint run's config is the one it recorded (its workdir's config.json) unless --config
+names one.
 
 Letters: B batch, T new tokens, S cache length, D model dim, N query heads, K kv heads,
 G query heads per kv head, H head dim, V vocabulary, L layers.
@@ -292,7 +294,9 @@ def check_decoded(new_tokens, vocab_size: int, tokenizer) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--config", required=True, help="a config file or a shipped config's name, e.g. tiny"
+        "--config",
+        help="a config file or a shipped config's name, e.g. tiny (default: the one the "
+        "--checkpoint run recorded)",
     )
     parser.add_argument("--checkpoint", help="a training run's workdir (its latest checkpoint)")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -309,14 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args, overrides = parser.parse_known_args(argv)
     jax.config.update("jax_threefry_partitionable", True)
-    from angel_jax.config import load_config
+    from angel_jax.config import load_config, recorded_config
     from angel_jax.mesh import make_mesh
     from angel_jax.train import build
 
     try:
-        config = load_config(args.config, overrides)
         if args.checkpoint:  # Before the model is built: a wrong path is said at once.
             saved_run(args.checkpoint)
+        if args.config:
+            config = load_config(args.config, overrides)
+        elif args.checkpoint:
+            config = recorded_config(args.checkpoint, overrides)
+        else:
+            raise ConfigError(
+                "pass --config (a config file or a shipped config's name), or the "
+                "--checkpoint of a training run"
+            )
         tokenizer = None
         if args.prompt is not None:
             tokenizer = prompt_tokenizer(args.tokenizer, config)

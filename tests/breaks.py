@@ -1072,6 +1072,81 @@ BREAKS = [
             "test_a_stage_adds_each_layers_grads_to_its_accumulators_in_the_layer_loop"
         ],
     ),
+    (
+        "the LoRA update moves the frozen base weights (a decay on them)",
+        "angel_jax/optim/__init__.py",
+        "            new_params = lora.with_adapters(every, new_params)",
+        "            new_params = lora.with_adapters(\n"
+        "                jax.tree.map(lambda p: p * (1 - 1e-4), every), new_params\n"
+        "            )",
+        ["tests/test_lora.py::test_base_weights_stay_bitwise_and_only_the_adapters_train"],
+    ),
+    (
+        "the LoRA merge leaves out alpha / rank",
+        "angel_jax/lora.py",
+        "(kernel.astype(jnp.float32) + scale * delta)",
+        "(kernel.astype(jnp.float32) + delta)",
+        ["tests/test_lora.py::test_merged_model_computes_the_adapted_logits"],
+    ),
+    (
+        "export reads a run with a config of its own, not the one the run recorded",
+        "angel_jax/export.py",
+        "        config = recorded_config(workdir, overrides)",
+        '        config = load_config("tiny", overrides)',
+        ["tests/test_export.py::test_export_imports_back_with_the_trained_logits"],
+    ),
+    (
+        "generate reads a run with a config of its own, not the one the run recorded",
+        "angel_jax/generate.py",
+        "            config = recorded_config(args.checkpoint, overrides)",
+        '            config = load_config("tiny", overrides)',
+        ["tests/test_export.py::test_generate_reads_the_runs_recorded_config"],
+    ),
+    (
+        "an export's weights stay private to their owner (0600)",
+        "angel_jax/interop/hf.py",
+        "            os.chmod(part, 0o644)",
+        "            pass",
+        ["tests/test_export.py::test_export_imports_back_with_the_trained_logits"],
+    ),
+    (
+        "generation past the trained length says nothing",
+        "angel_jax/generate.py",
+        "    if length > trained:",
+        "    if False:",
+        ["tests/test_generate_cli.py::test_warns_once_past_the_trained_length"],
+    ),
+    (
+        "generation drops the ids its tokenizer cannot decode",
+        "angel_jax/generate.py",
+        "            check_decoded(tokens[0, len(prompt[0]) :], vocab, tokenizer)",
+        "            pass",
+        ["tests/test_generate_cli.py::test_refuses_generated_ids_the_tokenizer_cannot_decode"],
+    ),
+    (
+        "a bool setting takes any word",
+        "angel_jax/config.py",
+        '        raise ValueError("use true or false")',
+        "        return bool(text)",
+        ["tests/test_generate_cli.py::test_a_bool_setting_refuses_other_words"],
+    ),
+    (
+        "a mesh short of XLA_FLAGS' devices gives no hint that jax started first",
+        "angel_jax/mesh.py",
+        "    if not asked or int(asked[1]) == num_devices",
+        "    if True or int(asked[1]) == num_devices",
+        [
+            "tests/test_errors.py::"
+            "test_a_mesh_short_of_the_flags_devices_says_jax_started_before_them"
+        ],
+    ),
+    (
+        "supervise passes a whole command line to the launcher as its flags",
+        "angel_jax/supervise.py",
+        "        self.command = command or [",
+        "        self.command = [",
+        ["tests/test_supervise.py::test_runs_a_whole_command_line_after_its_own_flags"],
+    ),
 ]
 
 

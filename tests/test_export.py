@@ -5,6 +5,7 @@ Refusals are one line."""
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import types
@@ -24,6 +25,7 @@ from angel_jax.mesh import make_mesh
 from angel_jax.train import build
 from tests.conftest import hf_reference
 from tests.runs import ROOT, env
+from tests.test_generate_cli import one_error_line
 
 VOCAB = 256
 SMALL = [
@@ -131,7 +133,7 @@ TOKENS = np.random.default_rng(1).integers(0, VOCAB, (8, 16)).astype(np.int32)
 def test_export_imports_back_with_the_trained_logits(name, trained, tmp_path):
     argv, workdir, tokenizer = trained(name)
     out = tmp_path / "hf"
-    assert run_export(argv, workdir, out) == 0
+    assert run_export([], workdir, out) == 0  # The config the run recorded.
     files = {"config.json", "model.safetensors"} | ({"tokenizer.json"} if tokenizer else set())
     assert {p.name for p in out.iterdir()} == files
     assert_readable(out)
@@ -143,6 +145,28 @@ def test_export_imports_back_with_the_trained_logits(name, trained, tmp_path):
     back_exp, back = imported(argv, out)
     assert_same(back, params)
     np.testing.assert_array_equal(logits(back_exp, back, TOKENS), logits(exp, params, TOKENS))
+
+
+def test_generate_reads_the_runs_recorded_config(trained, capsys):
+    argv, workdir, _ = trained("llama")
+    flags = ["--checkpoint", str(workdir), "--prompt-tokens", "1,2,3", "--steps", "4"]
+    assert generate.main(flags) == 0
+    recorded = capsys.readouterr().out
+    assert generate.main([*argv, *flags]) == 0
+    assert recorded == capsys.readouterr().out
+
+
+def test_a_workdir_without_its_config_needs_config_in_one_line(trained, tmp_path, capsys):
+    _, workdir, _ = trained("llama")
+    bare = tmp_path / "run"
+    shutil.copytree(workdir, bare, ignore=shutil.ignore_patterns("config.json"))
+    assert run_export([], bare, tmp_path / "hf") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "no config.json there" in line and "pass --config" in line, line
+    (bare / "config.json").write_text('{"model": {"d_model": "wide"}}')
+    assert run_export([], bare, tmp_path / "hf") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "config.json: cannot be read as a run's config" in line, line
 
 
 def test_export_shards_above_max_shard_size_and_overwrites_only_when_told(

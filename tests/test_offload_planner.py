@@ -441,7 +441,7 @@ def test_a_preallocated_pinned_pool_is_counted_as_held(monkeypatch):
     assert "holds its whole cap from the start, leaving 20.0 GiB" in overflow
     assert "set XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=false XLA_PJRT_GPU_HOST_MEMORY" in overflow
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
-    assert tiers._pinned_pool_cap_gb() == 16
+    assert tiers.pinned_pool_cap_gb() == 16
 
 
 def test_gpu_allocator_pools_that_shrink_a_tier_are_named_in_the_fix(monkeypatch):

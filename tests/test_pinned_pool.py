@@ -113,7 +113,7 @@ def test_the_8b_record_is_advised_a_pool_that_the_replay_accepts(record_plan, mo
     at = {gib: replay_pool(record_plan.pool, gib * GiB) for gib in range(advised - 2, advised + 1)}
     assert at[advised].ok and at[advised - 1].ok and not at[advised - 2].ok
     assert at[advised - 2].step > 3  # Three steps' replay would have taken it.
-    assert at[advised].held + tiers._BESIDE_POOL <= GPU_HOST
+    assert at[advised].held + tiers.BESIDE_POOL <= GPU_HOST
     assert advised == 93  # The replay's answer for this plan (pinned: 93 GiB held).
     # What a plan refused for its host tier names, where the cap is what is short (64 GB).
     advice = tiers.pool_advice(record_plan, 1, backend="gpu", available=GPU_HOST)

@@ -62,13 +62,14 @@ def host_budget(host: int, backend: str | None = None) -> int:
     leaving the process its memory beside the pool."""
     if (backend or machine.backend()) != "gpu":
         return host
-    cap = int(_pinned_pool_cap_gb() * 2**30)
+    cap = int(pinned_pool_cap_gb() * 2**30)
     if _pool_preallocated():
         return max(0, min(host, cap))
-    return max(0, min(host, cap, machine.host_available() - _BESIDE_POOL))
+    return max(0, min(host, cap, machine.host_available() - BESIDE_POOL))
 
 
-def _pinned_pool_cap_gb() -> float:
+def pinned_pool_cap_gb() -> float:
+    """The cap XLA gives its pinned-host pool: the setting, else its default."""
     default = "16" if _pool_preallocated() else "64"  # XLA's defaults.
     return float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", default))
 
@@ -94,7 +95,7 @@ def pool_fixes(
     fixes = []
     if DEVICE in short and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
         fixes.append("a larger device pool (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; default 0.75)")
-    cap = _pinned_pool_cap_gb()
+    cap = pinned_pool_cap_gb()
     if HOST in short and cap * 2**30 < available:
         named = f"{setting} for this plan" if setting else "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
         fixes.append(
@@ -126,7 +127,7 @@ _POOL_STEPS = 1000
 # (8.5 GiB of it anonymous) and 122.7 GiB at the peak; the host budget leaves this much beside
 # the pool. (The 8B 1M-token plan ran with a 110 GiB pool held whole on a host of about
 # 120 GiB available, so it needs less beside; the 20B's figure stands, as the larger.)
-_BESIDE_POOL = 24 * 2**30
+BESIDE_POOL = 24 * 2**30
 
 
 def _rounded(nbytes: int) -> int:
@@ -365,13 +366,13 @@ def _pool_check(plan, local_devices: int, available: int | None):
     # Chunks the host's cores update live in plain host memory, not the pool.
     plain = plan.state_bytes.get("CPU-updated chunks", 0) * local_devices
     available = machine.host_available() if available is None else available
-    cap, preallocated = int(_pinned_pool_cap_gb() * 2**30), _pool_preallocated()
+    cap, preallocated = int(pinned_pool_cap_gb() * 2**30), _pool_preallocated()
     now = replay_pool(plan.pool, cap, preallocated, local_devices)
     # A preallocated pool is held already: `available` is what is left beside it.
     held = 0 if preallocated else now.held
-    fits = now.ok and held + plain + _BESIDE_POOL <= available
+    fits = now.ok and held + plain + BESIDE_POOL <= available
     # What the host can give the pool, a preallocated one's pages counted back in.
-    room = available + (now.cap if preallocated else 0) - plain - _BESIDE_POOL
+    room = available + (now.cap if preallocated else 0) - plain - BESIDE_POOL
     least = plan.tier_bytes(HOST) * local_devices / USABLE  # The plan's host budget's.
     return now, fits, pool_setting(plan.pool, local_devices, room, least), plain, available
 
@@ -414,13 +415,13 @@ def pool_overflow(
     if now.preallocated:  # Held already: `available` is what it leaves.
         return (
             f"XLA's pinned-host pool ({setting}) holds its whole cap from the start, leaving "
-            f"{available / 2**30:.1f} GiB, less than {beside}{_BESIDE_POOL / 2**30:.0f} GiB "
+            f"{available / 2**30:.1f} GiB, less than {beside}{BESIDE_POOL / 2**30:.0f} GiB "
             f"for the process: {fixes}"
         )
     return (
         f"XLA's pinned-host pool ({setting}) would hold {now.held / 2**30:.1f} GiB for this "
         f"plan's {need / 2**30:.1f} GiB (its regions, of doubling sizes up to its cap, are "
-        f"pinned and kept), which with {beside}{_BESIDE_POOL / 2**30:.0f} GiB for the process "
+        f"pinned and kept), which with {beside}{BESIDE_POOL / 2**30:.0f} GiB for the process "
         f"passes the {available / 2**30:.1f} GiB this host has available: {fixes}"
     )
 
