@@ -2,10 +2,14 @@
 two emulated devices, train on one mesh that spans them, checkpoint and resume; the losses equal
 a single process's on the same mesh shape."""
 
+import os
+import socket
+
 import numpy as np
 import portpicker
 import pytest
 
+from angel_jax import lock
 from tests.runs import SMALL, env, jsonl, losses, run, start
 
 # data=2 across the processes, tensor=2 inside each. A NaN batch makes every process roll back
@@ -79,3 +83,19 @@ def test_four_processes_match_one(tmp_path):
     four, one = losses(tmp_path / "four"), losses(tmp_path / "one")
     assert sorted(four) == sorted(one) == [1, 2]
     np.testing.assert_allclose([four[s] for s in (1, 2)], [one[s] for s in (1, 2)], rtol=1e-6)
+
+
+def test_a_held_workdir_stops_every_process_of_a_second_run(tmp_path):
+    """Process 0 of a run finds the workdir held (here by this test, as another run would
+    hold it) and every process of the run exits 2, process 0 naming the holder. Only process 0
+    takes the lock, so a run's own processes never lock each other out (the runs above)."""
+    args = [*SMALL, "--config.train.steps=2", "--config.mesh.data=2", "--config.mesh.tensor=2"]
+    with lock.hold_workdir(str(tmp_path)):
+        results = launch_all(tmp_path, 2, args)
+    assert [code for code, _ in results] == [2, 2], results[0][1][-2000:] + results[1][1][-2000:]
+    assert (
+        f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()},"
+        in (results[0][1])
+    )
+    assert "process 0 could not take it" in results[1][1]
+    assert not (tmp_path / "checkpoints").exists()
