@@ -5,14 +5,27 @@ host memory as it would there, and compiles for that GPU without running anythin
 
 import os
 
-_described: tuple[str, int] | None = None  # (backend, host bytes available).
+# (backend, host bytes available, processes: 0 for jax's count).
+_described: tuple[str, int, int] | None = None
 
 
-def describe(backend: str | None, host_bytes: int = 0) -> None:
-    """Plan for a machine of `backend` ("gpu") with `host_bytes` of host memory available,
-    from here on; None: for this machine again."""
+def describe(backend: str | None, host_bytes: int = 0, processes: int = 0) -> None:
+    """Plan for a machine of `backend` ("gpu") with `host_bytes` of host memory available
+    to each of `processes` processes (0: as many as jax has), from here on; None: for this
+    machine again. A compile-only topology of many hosts has all its devices in this one
+    process, where a run has one process a host."""
     global _described
-    _described = None if backend is None else (backend, host_bytes)
+    _described = None if backend is None else (backend, host_bytes, processes)
+
+
+def process_count() -> int:
+    """The processes the run's devices are spread over (each has its own host memory and
+    pinned-host pool): the described machine's, else jax's."""
+    if _described and _described[2]:
+        return _described[2]
+    import jax
+
+    return jax.process_count()
 
 
 def backend() -> str:

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import os
 import pathlib
 import re
 import sys
@@ -29,12 +30,12 @@ import ml_collections
 from angel_jax import machine
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError, load_config
-from angel_jax.planning import cost_model
+from angel_jax.planning import cost_model, tiers
 from angel_jax.planning.activations import AUTO_REMATS, activation_bytes
 from angel_jax.planning.inputs import plan_input
 from angel_jax.planning.memory import state_bytes_per_param
 from angel_jax.planning.stage_plan import make_pipeline_plan
-from angel_jax.planning.tiers import USABLE
+from angel_jax.planning.tiers import POOL_CAP, USABLE
 from angel_jax.remat import STAGE_REMATS
 
 RESERVED_GIB = 2.0  # cuBLAS/cuDNN workspaces and NCCL's buffers, beside what XLA plans.
@@ -362,6 +363,9 @@ def table(cands: list[Candidate]) -> list[str]:
 # --- Memory as the compiled program says.
 
 
+POOL_STEPS = 20
+
+
 def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     """Compiles `layout`'s train step for `hosts` x `gpus / hosts` GPUs of `problem.gpu`'s kind
     on this machine (JAX's compile-only devices of a described topology: no GPU needed, the
@@ -385,17 +389,40 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     config = _work_config(problem, layout)
     config.data.synthetic = True
     config.monitor.on_anomaly = "log"  # The step the loop runs, not the anomaly guard's.
+    # The pinned-host pool is replayed over the run's steps (tiers.replay_pool), a fraction
+    # of a second a step for a host's 8 GPUs: a few steps, for the regions it settles at.
+    config.train.steps = POOL_STEPS
     start = time.perf_counter()
-    machine.describe("gpu", int(problem.gpu.host_gib * per_host * 2**30))
+    host = int(problem.gpu.host_gib * per_host * 2**30)
+    machine.describe("gpu", host, processes=hosts)  # A run has one process a host.
+    # The pinned-host pool's cap is the run's environment, not the program's: the whole
+    # host here, and the cap the plan needs is reported with the memory.
+    saved_cap = os.environ.get(POOL_CAP)
+    os.environ[POOL_CAP] = str(host // 2**30)
     try:
         exp = build(config, make_mesh(config.mesh, topo.devices), fit_compiled=False)
-        # With the optimizer offloaded, the forward/backward's program (the streamed update
-        # runs after it), as `build` checks it.
-        program = exp.steps.program if exp.plan.offloads_optimizer else exp.train_step
+        pool = ""
+        if exp.plan.pool is not None:  # The cap that makes the regions the replay ended with.
+            cap = int(tiers.pinned_pool_cap_gb() * 2**30)  # As build replayed it.
+            held = tiers.replay_pool(exp.plan.pool, cap, False, per_host).held
+            pool = f"{POOL_CAP}={math.ceil(held / 2**30)} (over {POOL_STEPS} steps)"
+        # Not checked against the plan (a run's `build` refuses what does not fit): the
+        # compiled numbers are the answer here. With the optimizer offloaded, the
+        # forward/backward's program (the streamed update runs after it).
+        if exp.plan.offloads_optimizer:
+            program = exp.steps.program_compiled
+        elif exp.pipeline is None:
+            program = exp.steps.lowered().compile()
+        else:
+            program = exp.train_step
         mem = program.memory_analysis()
         text = program.as_text()
     finally:
         machine.describe(None)
+        if saved_cap is None:
+            os.environ.pop(POOL_CAP)
+        else:
+            os.environ[POOL_CAP] = saved_cap
     out = dict(
         layout=layout.name(),
         topology=f"1x{hosts}x{per_host}",
@@ -406,11 +433,13 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
         collectives=collective_counts(text),
         # The library kernels it calls (cuDNN's attention, cuBLAS's GEMMs), by name.
         kernels=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
+        pinned_pool=pool,  # The setting a host's process needs, "" for XLA's default.
     )
     if exp.pipeline is None:
         out["compiled_peak_gib"] = compiled_peak(exp.plan, mem.temp_size_in_bytes) / 2**30
     else:  # The pipeline's step: its arguments (the states) and temporaries.
         out["compiled_peak_gib"] = out["temp_gib"] + out["argument_gib"]
+    out["usable_gib"] = USABLE * exp.plan.budget[tiers.DEVICE] / 2**30
     return out
 
 
@@ -517,11 +546,16 @@ def main(argv: list[str] | None = None) -> int:
         hosts = args.hosts or max(problem.gpus // problem.gpu.per_host, 1)
         for c in fits[: args.compile]:
             got = compile_layout(problem, c.layout, hosts)
+            notes = [f"collectives {got['collectives']}"]
+            if got["pinned_pool"]:
+                notes += [f"each host's process needs {got['pinned_pool']}"]
+            if got["compiled_peak_gib"] > got["usable_gib"]:
+                notes += [f"OVER the {got['usable_gib']:.1f} GiB usable: it does not fit"]
             print(
                 f"compiled {got['layout']} for {got['topology']} in {got['compile_s']} s: "
                 f"peak {got['compiled_peak_gib']:.1f} GiB a GPU (predicted "
                 f"{c.memory_gib:.1f}; temporaries {got['temp_gib']:.1f}, arguments "
-                f"{got['argument_gib']:.1f}); collectives {got['collectives']}",
+                f"{got['argument_gib']:.1f}); {'; '.join(notes)}",
                 flush=True,
             )
     except ConfigError as e:

@@ -1154,6 +1154,13 @@ BREAKS = [
         "    if True:\n        return ok",
         ["tests/test_multiprocess.py::test_a_held_workdir_stops_every_process_of_a_second_run"],
     ),
+    (
+        "a described cluster is planned as one process holding every GPU",
+        "angel_jax/machine.py",
+        "    if _described and _described[2]:",
+        "    if False:",
+        ["tests/test_plan.py::test_a_described_cluster_plans_each_hosts_share"],
+    ),
 ]
 
 

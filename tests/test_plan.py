@@ -11,9 +11,10 @@ import re
 
 import pytest
 
-from angel_jax import plan
+from angel_jax import machine, plan
 from angel_jax.config import load_config
-from angel_jax.planning import cost_model
+from angel_jax.planning import cost_model, tiers
+from angel_jax.planning.inputs import plan_input
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -185,3 +186,18 @@ def test_a_long_sequence_rings_beyond_a_host():
     )
     fits, _ = plan.search(p)
     assert fits and fits[0].layout.context == 16, fits[:1]
+
+
+def test_a_described_cluster_plans_each_hosts_share():
+    """A compile-only topology puts every GPU in this one process; a run has one process a
+    host, each with its host memory and pinned-host pool: the plan sees a host's GPUs."""
+    config = load_config("configs/tiny.py", ["--config.offload.device_gib=70"])
+    sizes = {"data": 64, "pipeline": 1, "expert": 1, "context": 1, "sequence": 1, "tensor": 1}
+    machine.describe("gpu", 2048 * 2**30, processes=8)
+    try:
+        inp = plan_input(config, sizes)
+        host = tiers.host_budget(machine.host_available())  # The host's, for its 8 GPUs.
+    finally:
+        machine.describe(None)
+    assert (inp.processes, inp.local_devices) == (8, 8)
+    assert inp.budget[tiers.HOST] == host // 8

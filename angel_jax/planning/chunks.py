@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from angel_jax import machine
 from angel_jax.config import ConfigError
 from angel_jax.planning import tiers
 from angel_jax.planning.groups import (
@@ -334,7 +335,7 @@ def with_cpu_update(plan: Plan, share: float, host, split: bool = False) -> Plan
     cores, spread over the update's order, so that both the host and the device work from its
     start. `split`: `host` counts the masters' low halves (`Plan.split_masters`); the host's
     cores keep theirs whole, as they make the compute copy themselves."""
-    if share > 0 and jax.process_count() > 1:
+    if share > 0 and machine.process_count() > 1:
         raise ConfigError(
             f"config.offload.cpu_update={share}: the hybrid update runs in one process only "
             "for now; set it to 0 on multi-process runs"

@@ -184,7 +184,7 @@ def plan_input(
         zero_stage=config.zero_stage,
         mesh=sizes,
         zero_ranks=math.prod(sizes[a] for a in zero_axes(sizes, config.fp8.collectives)),
-        processes=jax.process_count(),
+        processes=machine.process_count(),
         budget=dict(
             tiers.measured_budget(config, math.prod(sizes.values())) if budget is None else budget
         ),

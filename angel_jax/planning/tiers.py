@@ -29,7 +29,7 @@ def measured_budget(config: ml_collections.ConfigDict, devices: int) -> dict[str
     Emulated CPU devices (--xla_force_host_platform_device_count) share the one host's
     memory, so each gets its share of it."""
     o = config.offload
-    local_devices = max(1, devices // jax.process_count())
+    local_devices = max(1, devices // machine.process_count())
     if o.device_gib > 0:
         device = int(o.device_gib * 2**30)
     else:
@@ -68,10 +68,13 @@ def host_budget(host: int, backend: str | None = None) -> int:
     return max(0, min(host, cap, machine.host_available() - BESIDE_POOL))
 
 
+POOL_CAP = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # XLA's setting of the pool's cap, in GB.
+
+
 def pinned_pool_cap_gb() -> float:
     """The cap XLA gives its pinned-host pool: the setting, else its default."""
     default = "16" if _pool_preallocated() else "64"  # XLA's defaults.
-    return float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", default))
+    return float(os.environ.get(POOL_CAP, default))
 
 
 def _pool_preallocated() -> bool:
