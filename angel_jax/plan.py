@@ -222,6 +222,7 @@ def memory(
         return device, 0.0, plan
     with _described_gpu(problem):
         inp = plan_input(config, layout.mesh_shape(), shape, budget={})
+        acts = activation_bytes(inp, layout.remat)
     params = param_count(shape) / layout.tensor
     split = lambda stage: inp.zero_ranks if layout.zero >= stage else 1
     accumulating = layout.microbatches > 1
@@ -235,8 +236,6 @@ def memory(
         per_param = state_bytes_per_param(layout.zero, inp.zero_ranks)
         device = params * (per_param + 4 * accumulating / split(2))
         host = 0.0
-    with _described_gpu(problem):
-        acts = activation_bytes(inp, layout.remat)
     device += acts["layer inputs"] + acts["activations"]
     return device, host + acts["offloaded activations"], None
 

@@ -224,8 +224,11 @@ def zero_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, axes, keep: tuple[int
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     for n in range(len(axes), 0, -1):
         ranks = math.prod(mesh.shape[a] for a in axes[:n])
-        free = [d for d, e in enumerate(entries) if e is None and shape[d] % ranks == 0]
-        free = [d for d in free if d not in keep]
+        free = [
+            d
+            for d, e in enumerate(entries)
+            if e is None and shape[d] % ranks == 0 and d not in keep
+        ]
         if free:
             entries[max(free, key=lambda d: shape[d])] = _axes(axes[:n])
             break
