@@ -123,10 +123,11 @@ class Homebound:
         wait([x for x in home if isinstance(x, futures.Future) or not x.is_deleted()])
         delete([*old, *device_outs])
 
-    def keep_last(self, keep: int, older: set) -> None:
-        """Sends off all but the last `keep` groups, and any of the `older` ones (entries'
-        ids: an update before this one's) still among them."""
-        while self.entries and (len(self.entries) > keep or id(self.entries[0]) in older):
+    def keep_last(self, keep: int, older: list) -> None:
+        """Sends off all but the last `keep` groups, and any of the `older` entries (an
+        update before this one's) still among them."""
+        is_older = lambda entry: any(entry is e for e in older)
+        while self.entries and (len(self.entries) > keep or is_older(self.entries[0])):
             self.send_off(self.entries.popleft())
 
     def drain(self) -> None:

@@ -507,7 +507,7 @@ class _Run:
     compute: _NewCompute
     on_cpu: list
     fetched: dict
-    older: set  # Ids of the last update's groups still on their way home.
+    older: list  # The last update's groups still on their way home (their entries).
     stacked: set  # The stacked weights (flat indices).
 
     @classmethod
@@ -516,7 +516,9 @@ class _Run:
         update.homebound.delete_ready()
         grads = list(grads)
         # The last update's groups still on their way home (at the deque's left end).
-        older = {id(e) for e in update.homebound}
+        # The entries themselves, not their ids: an entry sent off meanwhile is freed, and a
+        # new entry may take its id.
+        older = list(update.homebound)
         # The host's cores start on theirs (hybrid update) while the device works on its own.
         if on_cpu is None:
             on_cpu = update.start_on_cpu(grads, scale, compute)
