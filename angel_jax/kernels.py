@@ -32,12 +32,26 @@ _MOSAIC_GPUS = ("9.0", "10.0")
 _HOPPER = "9.0"
 
 
-@functools.cache
 def tokamax_missing() -> str | None:
     """Why tokamax's Mosaic GPU kernels cannot run here, or None if they can."""
-    if machine.backend() != "gpu":
-        return f"no GPU (backend {machine.backend()})"
-    capability = getattr(jax.devices()[0], "compute_capability", "?")
+    return _tokamax_missing(machine.backend(), machine.compute_capability())
+
+
+def jax_pallas_missing() -> str | None:
+    """Why JAX's Hopper grouped GEMMs cannot run here, or None if they can."""
+    return _jax_pallas_missing(machine.backend(), machine.compute_capability())
+
+
+def cudnn_missing() -> str | None:
+    """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can."""
+    return _cudnn_missing(machine.backend(), machine.compute_capability())
+
+
+# Cached per machine: a described GPU (angel_jax.machine) is planned for after this one.
+@functools.cache
+def _tokamax_missing(backend: str, capability: str) -> str | None:
+    if backend != "gpu":
+        return f"no GPU (backend {backend})"
     if capability not in _MOSAIC_GPUS:
         return f"compute capability {capability} (its kernels need sm90 or sm100)"
     try:
@@ -48,11 +62,9 @@ def tokamax_missing() -> str | None:
 
 
 @functools.cache
-def jax_pallas_missing() -> str | None:
-    """Why JAX's Hopper grouped GEMMs cannot run here, or None if they can."""
-    if machine.backend() != "gpu":
-        return f"no GPU (backend {machine.backend()})"
-    capability = getattr(jax.devices()[0], "compute_capability", "?")
+def _jax_pallas_missing(backend: str, capability: str) -> str | None:
+    if backend != "gpu":
+        return f"no GPU (backend {backend})"
     if capability != _HOPPER:
         return f"compute capability {capability} (its kernels are Hopper's, sm90)"
     try:
@@ -66,17 +78,14 @@ def jax_pallas_missing() -> str | None:
 
 
 @functools.cache
-def cudnn_missing() -> str | None:
-    """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can."""
-    if machine.backend() != "gpu":
-        return f"no GPU (backend {machine.backend()})"
+def _cudnn_missing(backend: str, capability: str) -> str | None:
+    if backend != "gpu":
+        return f"no GPU (backend {backend})"
     try:
-        fused = _cudnn_attention()
-        fused.check_cudnn_version()
+        _cudnn_attention().check_cudnn_version()
     except (ImportError, AttributeError, RuntimeError) as e:
         return f"cuDNN's fused attention is not usable from jax {jax.__version__} ({e})"
-    if not fused.check_compute_capability("8.0"):
-        capability = getattr(jax.devices()[0], "compute_capability", "?")
+    if capability == "?" or float(capability) < 8.0:
         return f"compute capability {capability} (cuDNN's flash attention needs sm80 or later)"
     return None
 

@@ -17,6 +17,7 @@ the output and where the model is weak.
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -240,14 +241,26 @@ def memory(
     return device, host + acts["offloaded activations"], None
 
 
+def gpu_target(problem: Problem) -> pathlib.Path:
+    """The XLA target description of `problem.gpu`'s kind (may not exist)."""
+    targets = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "gpu_targets"
+    return targets / f"{problem.gpu.name}.txtpb"
+
+
+@functools.cache
+def _capability(target: pathlib.Path) -> str:
+    return machine.target_capability(target.read_text()) if target.is_file() else ""
+
+
 class _described_gpu:
     """Plans and picks kernels as for a GPU (angel_jax.machine), for the block only."""
 
     def __init__(self, problem: Problem):
         self.host = int(problem.gpu.host_gib * 2**30)
+        self.capability = _capability(gpu_target(problem))
 
     def __enter__(self):
-        machine.describe("gpu", self.host)
+        machine.describe("gpu", self.host, capability=self.capability)
 
     def __exit__(self, *exc):
         machine.describe(None)
@@ -376,8 +389,7 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     from angel_jax.planning.compiled import compiled_peak
     from angel_jax.train import build
 
-    target = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "gpu_targets"
-    target = target / f"{problem.gpu.name}.txtpb"
+    target = gpu_target(problem)
     if not target.is_file():
         raise ConfigError(f"--compile: no GPU target description at {target}")
     described = {} if jax.default_backend() == "gpu" else {"target_config": target.read_text()}
@@ -393,7 +405,8 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     config.train.steps = POOL_STEPS
     start = time.perf_counter()
     host = int(problem.gpu.host_gib * per_host * 2**30)
-    machine.describe("gpu", host, processes=hosts)  # A run has one process a host.
+    # A run has one process a host; the target's GPU picks the kernels (cuDNN's ring blocks).
+    machine.describe("gpu", host, hosts, machine.target_capability(target.read_text()))
     # The pinned-host pool's cap is the run's environment, not the program's: the whole
     # host here, and the cap the plan needs is reported with the memory.
     saved_cap = os.environ.get(POOL_CAP)

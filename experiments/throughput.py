@@ -287,7 +287,9 @@ def compile_only_devices(n: int) -> list:
                 "(GiB; about 120 on the H200 machine), else the plan takes this machine's"
             )
         described["target_config"] = pathlib.Path(target).read_text()
-        machine.describe("gpu", int(host_gib * 2**30))  # The programs are for that GPU.
+        # The programs are for that GPU, with its kernels.
+        capability = machine.target_capability(described["target_config"])
+        machine.describe("gpu", int(host_gib * 2**30), capability=capability)
     topology = topologies.get_topology_desc(
         "compile-only", "cuda", topology=f"1x1x{n}", **described
     )

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from angel_jax import kernels
+from angel_jax import kernels, machine
 from angel_jax.config import ConfigError, default_config, validate
 from angel_jax.parallel import expert
 
@@ -46,6 +46,26 @@ def test_auto_picks_xla_off_a_gpu_and_an_explicit_library_kernel_is_refused():
         ConfigError, match=r"ring_blocks='jax_pallas': use one of auto, cudnn, tokamax"
     ):
         validate(config)
+
+
+def test_a_described_gpu_picks_kernels_by_its_targets_compute_capability():
+    """Compile-only devices have no compute capability: planning for a described GPU takes its
+    target's, as a run there would (else a compiled context ring falls back to XLA's blocks,
+    which hold each block's scores: gigabytes a layer at 70B)."""
+    target = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "gpu_targets"
+    assert machine.target_capability((target / "h100.txtpb").read_text()) == "9.0"
+    before = kernels.jax_pallas_missing()
+    machine.describe("gpu", 2**30, capability="9.0")
+    try:
+        assert machine.compute_capability() == "9.0"
+        for why in (kernels.cudnn_missing(), kernels.jax_pallas_missing()):
+            assert "compute capability" not in (why or ""), why
+        machine.describe("gpu", 2**30)  # No capability: this machine's first device's.
+        if jax.default_backend() == "cpu":
+            assert "compute capability ?" in kernels.jax_pallas_missing()
+    finally:
+        machine.describe(None)
+    assert kernels.jax_pallas_missing() == before  # Not the described machine's, cached.
 
 
 def test_banner_names_the_kernels_a_run_uses():

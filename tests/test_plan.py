@@ -176,6 +176,19 @@ def test_pipeline_stages_compile_for_gpus_beside_split_axes():
     assert got["compiled_peak_gib"] > 0
 
 
+@pytest.mark.skipif(
+    not has_cuda_compiler(),
+    reason="compile-only GPU devices need jax[cuda13] (its CUDA plugin and cuDNN)",
+)
+def test_a_context_ring_compiles_with_the_gpus_blocks():
+    # The ring's blocks are cuDNN's, as on the GPU: the compile-only devices have no compute
+    # capability of their own, the target description has.
+    p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
+    got = plan.compile_layout(p, plan.Layout(4, 1, 1, 2, 3, "full", 1), hosts=1)
+    assert got["kernels"].get("__cudnn$fmhaSoftmax", 0) > 0, got["kernels"]
+    assert got["kernels"].get("__cudnn$fmhaSoftmaxBackward", 0) > 0, got["kernels"]
+
+
 def test_a_long_sequence_rings_beyond_a_host():
     # Llama 3 405B at 131k tokens, 128 sequences on 16,384 GPUs: only a 16-way context ring
     # (two hosts) with tp 8 splits the batch; without it no layout exists.
