@@ -8,6 +8,7 @@ import importlib.util
 import math
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -123,14 +124,34 @@ def test_default_calibration_is_the_records():
         assert default.fp8_speedup == pytest.approx(derived["fp8_speedup"], abs=1e-3)
 
 
-def test_published_nemo_70b_is_within_15_percent():
+def published_runs():
+    sys.path.insert(0, str(ROOT / "experiments"))  # Its helpers' folder, as a script has.
     spec = importlib.util.spec_from_file_location(
         "plan_published", ROOT / "experiments" / "plan_published.py"
     )
     published = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(published)
-    row = published.compare(published.RUNS[0], search=False)
-    assert abs(row["model_error"]) < 0.15, row
+    return published
+
+
+# torchtitan's FP8 run is left out: the model applies our FP8 layer gain (1.20 at tp 4) where
+# torchtitan's bf16 and FP8 runs of one layout differ by 1.36 (docs/planning.md).
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NeMo 70B",
+        "MaxText 70B",
+        "Llama 3 405B, 8k GPUs",
+        "Llama 3 405B, 16k GPUs",
+        "Llama 3 405B, 131k seq",
+        "torchtitan 70B bf16",
+    ],
+)
+def test_the_model_is_within_15_percent_of_a_published_run(name):
+    published = published_runs()
+    row = published.compare(next(r for r in published.RUNS if r.name == name), search=False)
+    # Meta publishes TFLOP/s: its tokens/s at our FLOP count (causal attention half).
+    assert abs(row["model_error_causal"]) < 0.15, row
 
 
 def has_cuda_compiler():
