@@ -1031,6 +1031,16 @@ BREAKS = [
         ["tests/test_sft.py::test_packed_rows_number_conversations_from_the_mask_ends"],
     ),
     (
+        "packed chat rows are cut every seq_len tokens, across conversations",
+        "angel_jax/data/loader.py",
+        "    if marks is not None and config.data.packing:",
+        "    if False:",
+        [
+            "tests/test_sft.py::"
+            "test_batches_hold_whole_conversations_with_their_mask_and_resume_at_any_index"
+        ],
+    ),
+    (
         "a pipeline stage's cuDNN attention is left to its partitioner",
         "angel_jax/layers/attention.py",
         'if in_a_stage and implementation == "cudnn" and mask_BTS',

@@ -18,6 +18,7 @@ from angel_jax import models
 from angel_jax.config import ConfigError, default_config, load_config
 from angel_jax.data import TokenFile, make_batches
 from angel_jax.data.chat import find_template, prepare_chat
+from angel_jax.data.loader import conversation_rows
 from angel_jax.data.objectives import causal_rows, make_row_builder, row_fields, split_fields
 from angel_jax.data.tokens import END, LOSS, NO_LOSS
 from angel_jax.losses import TrainingLoss, objective_loss
@@ -221,20 +222,37 @@ def test_packed_loss_is_each_conversations_alone(tmp_path):
     np.testing.assert_allclose(packed, expected, rtol=2e-5)
 
 
-def test_batches_carry_the_mask_and_resume_at_any_index(tmp_path):
+def test_packed_rows_hold_whole_conversations_and_cut_only_a_longer_one():
+    # Conversations of 2, 2, 7 and 1 tokens (END at each one's last) in rows of 5.
+    marks = np.zeros(12, np.int8)
+    marks[[1, 3, 10, 11]] = END
+    # The long one fills [4, 9) and goes on in [8, 12) (a row's last token is a target only),
+    # where the next conversation joins it.
+    np.testing.assert_array_equal(conversation_rows(marks, 5), [[0, 4], [4, 9], [8, 12]])
+
+
+def test_batches_hold_whole_conversations_with_their_mask_and_resume_at_any_index(tmp_path):
     jsonl, template = write_chats(tmp_path, toy_instructions(60))
     out = str(tmp_path / "toy.npy")
     prepare_chat([jsonl], out, template=template)
     data = TokenFile(out)
-    c = sft_config(seq_len=32, batch_size=4)
+    tokens, marks = np.asarray(data.tokens), np.asarray(data.loss_mask)
+    c = sft_config(seq_len=128, batch_size=4)
     c.data.path = out
     batches = make_batches(c)
     rows = batches[3]
     f = split_fields(rows, row_fields(c))
-    starts = range(0, len(data.tokens) - 32, 32)  # The windows' starts.
-    for tokens, trained in zip(f["tokens"], f["loss_mask"], strict=True):
-        start = next(s for s in starts if np.array_equal(data.tokens[s : s + 33], tokens))
-        np.testing.assert_array_equal(trained, data.loss_mask[start : start + 33] == LOSS)
+    padded = lambda a, fill: np.concatenate([a, np.full(129 - len(a), fill)])
+    spans = conversation_rows(marks, 129)
+    for row, segments, trained in zip(f["tokens"], f["segment_ids"], f["loss_mask"], strict=True):
+        s, e = next(
+            (s, e) for s, e in spans.tolist() if np.array_equal(padded(tokens[s:e], EOS), row)
+        )
+        np.testing.assert_array_equal(trained, padded(marks[s:e] == LOSS, 0))
+        # Each conversation whole: from its template's first tag to its end-of-document id.
+        for k in np.unique(segments[: e - s]):
+            conversation = row[: e - s][segments[: e - s] == k]
+            assert text(conversation).startswith("<|") and conversation[-1] == EOS, k
     # Batch i depends on i alone: a resumed loader reads the same rows.
     np.testing.assert_array_equal(rows, make_batches(c)[3])
     np.testing.assert_array_equal(next(make_batches(c).iterate(3)), rows)

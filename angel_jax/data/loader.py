@@ -2,8 +2,8 @@
 
 So resuming at step s reads exactly the batches an uninterrupted run reads from step s on; the
 checkpoint stores the index of the next batch. Grain shuffles windows of `seq_len + 1` tokens
-(reshuffled every epoch) and prefetches on background threads. Each process loads only its
-own rows of the global batch.
+(reshuffled every epoch; packed chat data: rows of whole conversations, padded) and prefetches
+on background threads. Each process loads only its own rows of the global batch.
 """
 
 import grain
@@ -13,7 +13,7 @@ import numpy as np
 
 from angel_jax.config import ConfigError
 from angel_jax.data.objectives import make_row_builder, reserved_ids
-from angel_jax.data.tokens import TokenFile, default_corpus
+from angel_jax.data.tokens import END, NO_LOSS, TokenFile, default_corpus
 
 
 class Batches:
@@ -102,7 +102,12 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
             f"{where} has token ids up to {vocab - 1}, but config.model.vocab_size="
             f"{config.model.vocab_size}; set config.model.vocab_size >= {vocab}"
         )
-    windows = (len(tokens) - 1) // t.seq_len
+    if marks is not None and config.data.packing:  # Whole conversations a row.
+        bounds = conversation_rows(marks, length)
+    else:  # Windows every seq_len tokens, each its last target the next one's first input.
+        starts = np.arange((len(tokens) - 1) // t.seq_len) * t.seq_len
+        bounds = np.stack([starts, starts + length], axis=1)
+    windows = len(bounds)
     if windows < t.batch_size:
         raise ConfigError(
             f"{where} holds {len(tokens)} tokens, fewer than one batch of "
@@ -110,16 +115,52 @@ def make_batches(config: ml_collections.ConfigDict, rows: tuple[int, int] | None
             "use more data or a smaller batch"
         )
 
+    pad = eos if eos is not None else 0
+
     def read(window_ids):
-        """The windows' tokens, and with a loss mask its windows beside them."""
-        starts = [i * t.seq_len for i in window_ids[lo : lo + rows]]
-        cut = lambda a: np.stack([a[s : s + length] for s in starts]).astype(np.int32)
-        return cut(tokens) if marks is None else np.concatenate([cut(tokens), cut(marks)], 1)
+        """The windows' tokens, and with a loss mask its windows beside them; a packed row's
+        tail after its last conversation is padding (no loss, a segment of its own)."""
+        spans = bounds[np.asarray(window_ids[lo : lo + rows])]
+
+        def cut(a, fill):
+            out = np.full((len(spans), length), fill, np.int32)
+            for row, (s, e) in zip(out, spans, strict=True):
+                row[: e - s] = a[s:e]
+            return out
+
+        return (
+            cut(tokens, pad)
+            if marks is None
+            else np.concatenate([cut(tokens, pad), cut(marks, NO_LOSS)], 1)
+        )
 
     dataset = (
         grain.MapDataset.range(windows).shuffle(seed=seed).repeat().batch(t.batch_size).map(read)
     )
     return _with_objective(dataset, make_row_builder(config, vocab, eos), lo, config)
+
+
+def conversation_rows(marks: np.ndarray, length: int) -> np.ndarray:
+    """[start, end) of each packed row of chat data (`marks`: its loss mask, END after each
+    conversation): the conversations in order, as many whole ones as fit in `length` tokens,
+    so none starts in one row and ends in the next. One longer than a row fills rows of its
+    own, cut every `length - 1` tokens (a row's last token is a target only), its rest
+    starting the next row."""
+    ends = np.flatnonzero(np.asarray(marks) == END) + 1
+    if not len(ends) or ends[-1] < len(marks):
+        ends = np.append(ends, len(marks))
+    rows, start, conversation = [], 0, 0  # The open row's start, the next conversation's.
+    for end in ends.tolist():
+        if end - start > length and conversation > start:  # It does not fit beside the row's.
+            rows.append((start, conversation))
+            start = conversation
+        while end - start > length:
+            rows.append((start, start + length))
+            start += length - 1
+        conversation = end
+    if start < ends[-1]:
+        rows.append((start, int(ends[-1])))
+    return np.asarray(rows, np.int64).reshape(-1, 2)
 
 
 def _with_objective(dataset: grain.MapDataset, build, first_row: int, config) -> Batches:
