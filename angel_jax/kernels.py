@@ -34,17 +34,25 @@ _HOPPER = "9.0"
 
 def tokamax_missing() -> str | None:
     """Why tokamax's Mosaic GPU kernels cannot run here, or None if they can."""
-    return _tokamax_missing(machine.backend(), machine.compute_capability())
+    return _tokamax_missing(machine.backend(), _local_capability())
 
 
 def jax_pallas_missing() -> str | None:
     """Why JAX's Hopper grouped GEMMs cannot run here, or None if they can."""
-    return _jax_pallas_missing(machine.backend(), machine.compute_capability())
+    return _jax_pallas_missing(machine.backend(), _local_capability())
 
 
 def cudnn_missing() -> str | None:
-    """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can."""
+    """Why cuDNN's fused attention cannot serve as ring blocks here, or None if it can: a
+    described GPU's (angel_jax.machine) are traced without it, with JAX's CUDA plugin."""
     return _cudnn_missing(machine.backend(), machine.compute_capability())
+
+
+def _local_capability() -> str:
+    """This machine's GPU's: the Mosaic GPU kernels are traced on the GPU itself (JAX's
+    grouped GEMMs read its SM count), so compile-only devices of a described GPU run XLA's
+    grouped matmul, which compiles to other memory than the GPU's kernels."""
+    return getattr(jax.devices()[0], "compute_capability", "?")
 
 
 # Cached per machine: a described GPU (angel_jax.machine) is planned for after this one.

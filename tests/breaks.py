@@ -1177,7 +1177,7 @@ BREAKS = [
         "    if _described and _described[3]:",
         "    if False:",
         [
-            "tests/test_kernels.py::test_a_described_gpu_picks_kernels_by_its_targets_compute_capability"
+            "tests/test_kernels.py::test_a_described_gpu_picks_cudnns_blocks_by_its_targets_compute_capability"
         ],
     ),
     (

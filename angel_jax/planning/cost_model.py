@@ -125,7 +125,7 @@ def record_efficiency(
     return tokens * flops_per_token / ((step_s - update_s) * peak_tflops * 1e12)
 
 
-# Derived with `record_efficiency` from the one-GPU records in experiments/records/<gpu>/
+# Derived with `record_efficiency` from the benchmark's one-GPU step records of each GPU kind
 # (experiments/plan_calibrate.py --from-records; tests/test_plan.py checks them against it):
 # llama_1b (8 x 2048, remat dots_attention: nothing recomputed) and fp8_8b_8layers's bf16
 # run (llama3_8b widths, 8 layers, 2 x 8192, dots_no_batch: attention recomputed). Points:
