@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts = args.hosts or max(problem.gpus // problem.gpu.per_host, 1)
         for c in fits[: args.compile]:
             got = compile_layout(problem, c.layout, hosts)
-            notes = [f"collectives {got['collectives']}"]
+            notes = [f"collectives {got['collectives']}", f"library kernels {got['kernels']}"]
             if got["pinned_pool"]:
                 notes += [f"each host's process needs {got['pinned_pool']}"]
             if got["compiled_peak_gib"] > got["usable_gib"]:

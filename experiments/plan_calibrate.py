@@ -8,8 +8,9 @@ writes the efficiency points the planner reads (experiments/calibration/<gpu>.js
 
 A layer's time is the difference of a model with 3 layers and one with 1 (embedding and final
 norm cancel; no LM head, no optimizer), each step timed after a warm-up. Its efficiency is the
-layer's FLOPs (6 x its matmul params + 3 x causal attention, per token) over the peak. At tp=4
-it also times the layer with FP8 matmuls, for the planner's `fp8_speedup`.
+layer's FLOPs (6 x its matmul params + 3 x causal attention, per token) over the peak. At the
+sizes --fp8-tp names (4 by default) it also times the layer with FP8 matmuls, for the planner's
+FP8 speed-up by shard size.
 """
 
 import argparse
@@ -56,7 +57,9 @@ def layer_seconds(config, tokens: int, layers: int, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str) -> dict:
+def measure(
+    config_path: str, tps: list[int], fp8_tps: list[int], seq_len: int, reps: int, gpu: str
+) -> dict:
     import jax
 
     from angel_jax.config import load_config
@@ -67,7 +70,7 @@ def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str)
     points, extra = [], {}
     for tp in tps:
         variants = [("bf16", [])]
-        if tp == 4 or len(tps) == 1:
+        if tp in fp8_tps:
             variants += [("fp8", ["--config.fp8.matmul=true"])]
         base = load_config(config_path)
         shard = [
@@ -106,9 +109,18 @@ def measure(config_path: str, tps: list[int], seq_len: int, reps: int, gpu: str)
         seq_len=seq_len,
         points=points,
     )
-    tp = 4 if (4, "fp8") in extra else tps[0]
-    if (tp, "fp8") in extra:
-        out["fp8_speedup"] = extra[tp, "bf16"]["layer_s"] / extra[tp, "fp8"]["layer_s"]
+    fp8 = [
+        dict(
+            tp=tp,
+            layer_params_per_device=extra[tp, "bf16"]["layer_params_per_device"],
+            speedup=extra[tp, "bf16"]["layer_s"] / extra[tp, "fp8"]["layer_s"],
+        )
+        for tp in tps
+        if (tp, "fp8") in extra
+    ]
+    if fp8:
+        out["fp8_points"] = fp8
+        out["fp8_speedup"] = next((p for p in fp8 if p["tp"] == 4), fp8[0])["speedup"]
     return out
 
 
@@ -150,6 +162,7 @@ def main() -> int:
     parser.add_argument("--config", default="configs/llama3_70b.py")
     parser.add_argument("--gpu", default="h100", help="the peak and the records' folder")
     parser.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes to time")
+    parser.add_argument("--fp8-tp", default="4", help="of those, the sizes also timed in FP8")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", help="default: experiments/calibration/<gpu>.json")
@@ -158,8 +171,9 @@ def main() -> int:
     if args.from_records:
         print(json.dumps(points_from_records(args.from_records), indent=1))
         return 0
+    sizes = lambda text: [int(t) for t in text.split(",")]
     out = measure(
-        args.config, [int(t) for t in args.tp.split(",")], args.seq_len, args.reps, args.gpu
+        args.config, sizes(args.tp), sizes(args.fp8_tp), args.seq_len, args.reps, args.gpu
     )
     sys.path.insert(0, str(ROOT / "experiments"))
     from bench import commit

@@ -1041,6 +1041,13 @@ BREAKS = [
         ],
     ),
     (
+        "the planner's FP8 gain is one figure for every shard size",
+        "angel_jax/planning/cost_model.py",
+        "        eff *= cal.fp8(shape.layer_matmul_params() / tp)",
+        "        eff *= cal.fp8_speedup",
+        ["tests/test_plan.py::test_fp8s_gain_follows_the_shard_size_where_timed_by_it"],
+    ),
+    (
         "a pipeline stage's cuDNN attention is left to its partitioner",
         "angel_jax/layers/attention.py",
         'if in_a_stage and implementation == "cudnn" and mask_BTS',

@@ -65,6 +65,22 @@ def test_bubble_and_tensor_traffic_follow_the_layout():
     assert br.bubble_s == pytest.approx(br.compute_s * 3 / 5 / 64)
 
 
+def test_fp8s_gain_follows_the_shard_size_where_timed_by_it():
+    p = problem()
+    shape = plan.model_shape(p.config.model)
+    layer = shape.layer_matmul_params()
+    # Timed at tp 4 and 8: a narrower shard gains less (held flat beyond the ends).
+    cal = dataclasses.replace(p.calibration, fp8_points=((layer / 8, 1.1), (layer / 4, 1.2)))
+    for tp, gain in ((8, 1.1), (4, 1.2), (1, 1.2)):
+        layout = plan.Layout(64 // tp, tp, 1, 1, 3, "full", 8)
+        bf16, fp8 = (
+            cost_model.step_time(shape, layout, 8192, 128, p.gpu, cal, fp8=f) for f in (0, 1)
+        )
+        assert bf16.compute_s / fp8.compute_s == pytest.approx(gain), tp
+    measured = cost_model.load_calibration("h100")
+    assert len(measured.fp8_points) == 2 and measured.fp8(layer / 8) < measured.fp8(layer / 4)
+
+
 def test_the_memory_check_refuses_and_names_why():
     p = problem()
     shape = plan.model_shape(p.config.model)

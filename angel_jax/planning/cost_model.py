@@ -111,10 +111,24 @@ class Calibration:
     source: str
     points: tuple[tuple[float, float], ...]
     fp8_speedup: float = 1.0  # The step's speed-up with FP8 matmuls (no FP8 record: 1).
+    # (params, FP8's speed-up) where timed by shard size: narrower shards gain less, their
+    # matmuls' share of the layer and size smaller beside the casts.
+    fp8_points: tuple[tuple[float, float], ...] = ()
 
     def efficiency(self, params_per_device: float) -> float:
-        xs, ys = zip(*sorted(self.points), strict=True)
-        return float(np.interp(math.log(params_per_device), np.log(xs), ys))
+        return _interpolated(self.points, params_per_device)
+
+    def fp8(self, params_per_device: float) -> float:
+        """FP8 matmuls' speed-up of a layer with this many matmul params on a device."""
+        if not self.fp8_points:
+            return self.fp8_speedup
+        return _interpolated(self.fp8_points, params_per_device)
+
+
+def _interpolated(points, params_per_device: float) -> float:
+    """Interpolated in log(params), held flat beyond the ends."""
+    xs, ys = zip(*sorted(points), strict=True)
+    return float(np.interp(math.log(params_per_device), np.log(xs), ys))
 
 
 def record_efficiency(
@@ -165,6 +179,7 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
         f"({data.get('device', '?')}, {data.get('date', '?')})",
         tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
         data.get("fp8_speedup", default.fp8_speedup),
+        tuple((p["layer_params_per_device"], p["speedup"]) for p in data.get("fp8_points", [])),
     )
 
 
@@ -277,7 +292,7 @@ def step_time(
     share_attention, share_matmul = REMATS[kept(layout.remat, results)].recompute or (1, 1)
     eff = cal.efficiency(shape.layer_matmul_params() / tp)
     if fp8:
-        eff *= cal.fp8_speedup
+        eff *= cal.fp8(shape.layer_matmul_params() / tp)
     peak = gpu.peak_tflops * 1e12
     attention_work = (3 + share_attention) * attention / tp  # Per token, per device.
     layer_work = (3 + share_matmul) * matmul / tp + attention_work
