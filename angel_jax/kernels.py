@@ -135,11 +135,25 @@ def resolve_attention(model, backend: str) -> str:
     return attention
 
 
-def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
+def shape_misfits(setting: str, model) -> dict[str, str]:
+    """The library kernels for config.model.<setting> that `model`'s shapes (config.model)
+    rule out, with why: JAX's Hopper grouped GEMMs tile both matmul widths by 128."""
+    widths = (model.d_model, model.moe_ffn_dim or model.ffn_dim)
+    if setting == "moe_kernel" and any(w % 128 for w in widths):
+        return {
+            "jax_pallas": f"d_model={widths[0]} and moe_ffn_dim={widths[1]}: its kernels "
+            "need multiples of 128"
+        }
+    return {}
+
+
+def choose(
+    setting: str, value: str, dtype: str, misfits: dict[str, str] | None = None
+) -> tuple[str, str | None]:
     """(kernel, note) for config.model.<setting> = value in compute dtype `dtype`: a library
     kernel or `xla`, and for an auto that fell back on a GPU the line that says so. auto takes
     the fastest that runs: for the grouped GEMMs JAX's, then tokamax's; for the ring's blocks
-    cuDNN's, then tokamax's."""
+    cuDNN's, then tokamax's. `misfits`: kernels the model's shapes rule out (`shape_misfits`)."""
     choices = MOE_KERNELS if setting == "moe_kernel" else RING_KERNELS
     if value not in choices:
         raise ConfigError(f"config.model.{setting}={value!r}: use {', '.join(choices)}")
@@ -150,6 +164,8 @@ def choose(setting: str, value: str, dtype: str) -> tuple[str, str | None]:
         missing[kernel] = checks[kernel]()
         if missing[kernel] is None and dtype not in ("bfloat16", "float16"):
             missing[kernel] = f"config.model.dtype={dtype} (its kernels take bf16 or fp16)"
+        if missing[kernel] is None:
+            missing[kernel] = (misfits or {}).get(kernel)
     if value in missing and missing[value]:
         raise ConfigError(
             f"config.model.{setting}={value} needs its GPU kernels, which cannot run "
@@ -421,7 +437,9 @@ def banner(model, ring: bool) -> list[str]:
     parts, notes = [], []
     for setting, what, used in uses:
         if used:
-            kernel, note = choose(setting, model[setting], model.dtype)
+            kernel, note = choose(
+                setting, model[setting], model.dtype, shape_misfits(setting, model)
+            )
             parts.append(f"{what} {kernel}")
             notes += [f"note: {note}"] if note else []
     return ([f"kernels: {', '.join(parts)}"] if parts else []) + notes

@@ -67,6 +67,22 @@ def test_a_described_gpu_picks_cudnns_blocks_by_its_targets_compute_capability()
     assert kernels.cudnn_missing() == before  # Not the described machine's, cached.
 
 
+def test_auto_passes_over_a_grouped_gemm_whose_tiles_the_shapes_do_not_fit(monkeypatch):
+    # As on a Hopper GPU with tokamax: both grouped GEMMs run there.
+    monkeypatch.setattr(kernels, "jax_pallas_missing", lambda: None)
+    monkeypatch.setattr(kernels, "tokamax_missing", lambda: None)
+    model = default_config().model
+    model.update(d_model=192, moe_ffn_dim=256)
+    pick = lambda value: kernels.choose(
+        "moe_kernel", value, "bfloat16", kernels.shape_misfits("moe_kernel", model)
+    )
+    assert pick("auto")[0] == "tokamax"
+    with pytest.raises(ConfigError, match="moe_kernel=jax_pallas .* d_model=192 .* of 128"):
+        pick("jax_pallas")
+    model.d_model = 256
+    assert pick("auto")[0] == "jax_pallas"
+
+
 def test_banner_names_the_kernels_a_run_uses():
     model = default_config().model
     assert kernels.banner(model, ring=False) == []  # Dense, no ring: nothing to choose.

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from angel_jax import fp8
 from angel_jax.config import head_dim
 from angel_jax.family import FEATURES, Family, Pieces
-from angel_jax.kernels import choose, resolve_attention
+from angel_jax.kernels import choose, resolve_attention, shape_misfits
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm, RopeScaling, SwiGLU
 from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
@@ -88,7 +88,9 @@ class LlamaConfig:
             shared_experts=model.shared_experts,
             attention=None if attention == "xla" else attention,
             ring_blocks=choose("ring_blocks", model.ring_blocks, model.dtype)[0],
-            moe_kernel=choose("moe_kernel", model.moe_kernel, model.dtype)[0],
+            moe_kernel=choose(
+                "moe_kernel", model.moe_kernel, model.dtype, shape_misfits("moe_kernel", model)
+            )[0],
             scan_layers=model.scan_layers,
             mlp_chunks=model.mlp_chunks,
             lora=LoRA.from_config(model),
