@@ -406,7 +406,7 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     start = time.perf_counter()
     host = int(problem.gpu.host_gib * per_host * 2**30)
     # A run has one process a host; the target's GPU picks the kernels (cuDNN's ring blocks).
-    machine.describe("gpu", host, hosts, machine.target_capability(target.read_text()))
+    machine.describe("gpu", host, hosts, _capability(target))
     # The pinned-host pool's cap is the run's environment, not the program's: the whole
     # host here, and the cap the plan needs is reported with the memory.
     saved_cap = os.environ.get(POOL_CAP)

@@ -1200,7 +1200,7 @@ BREAKS = [
     (
         "a cluster compiled on a CPU is described without its GPU's compute capability",
         "angel_jax/plan.py",
-        'machine.describe("gpu", host, hosts, machine.target_capability(target.read_text()))',
+        'machine.describe("gpu", host, hosts, _capability(target))',
         'machine.describe("gpu", host, hosts)',
         # Compiles for GPU devices: needs jax[cuda13] (BUILD.md); skipped elsewhere.
         ["tests/test_plan.py::test_a_context_ring_compiles_with_the_gpus_blocks"],
