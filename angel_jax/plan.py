@@ -75,6 +75,8 @@ class Layout:
         o = [f"--config.mesh.{a}={n}" for a, n in self.mesh_shape().items()]
         o += [f"--config.zero_stage={self.zero}", f"--config.offload.policy={self.offload}"]
         o += ["--config.model.attention=cudnn"]
+        if self.tensor > 1:
+            o += ["--config.model.sequence_parallel=true"]
         if self.pipeline > 1:
             o += [
                 "--config.train.microbatches=1",
@@ -190,6 +192,9 @@ def _work_config(
     c.zero_stage = layout.zero
     c.mesh.update(layout.mesh_shape())
     c.model.attention = "cudnn"
+    # Megatron's sequence parallel: the norm regions' activations split over tensor too, for
+    # the same bytes of collectives (all-gathers and reduce-scatters for all-reduces).
+    c.model.sequence_parallel = layout.tensor > 1
     c.model.remat = layout.remat
     c.train.seq_len, c.train.batch_size = problem.seq_len, problem.batch
     c.train.microbatches = 1 if layout.pipeline > 1 else layout.microbatches

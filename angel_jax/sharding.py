@@ -9,6 +9,7 @@ the way back.
 """
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -205,6 +206,39 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         raise ValueError(f"array of shape {x.shape} given {len(axes)} logical axes {axes}")
     spec = logical_to_spec(axes, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(shard_map_mesh(mesh), spec))
+
+
+def regather(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None, ...]):
+    """`x` pinned to its `split` layout, then to `axes`'s (an all-gather where `axes` splits
+    less: sequence parallel's norm region into attention or the MLP). Its backward pins the
+    cotangent straight to `split`: the ranks' partial sums of it (a column-parallel layer's
+    input gradient) meet in one reduce-scatter. Two plain constraints would transpose to an
+    all-reduce over the whole `axes` layout, then a slice. Pinning `split` first keeps the
+    all-gather in x's dtype (XLA otherwise gathers the float32 before a norm's cast)."""
+    if not _active:
+        return x
+    mesh, rules = _active[-1]
+    mesh = shard_map_mesh(mesh)
+    split, whole = (NamedSharding(mesh, logical_to_spec(a, rules)) for a in (split, axes))
+    if split == whole:
+        return jax.lax.with_sharding_constraint(x, whole)
+    return _regather(x, split, whole)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _regather(x, split, whole):
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), whole)
+
+
+def _regather_fwd(x, split, whole):
+    return _regather(x, split, whole), None
+
+
+def _regather_bwd(split, whole, _, g):
+    return (jax.lax.with_sharding_constraint(g, split),)
+
+
+_regather.defvjp(_regather_fwd, _regather_bwd)
 
 
 def logical_axes(boxed_tree) -> dict:

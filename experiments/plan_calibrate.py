@@ -10,7 +10,8 @@ A layer's time is the difference of a model with 3 layers and one with 1 (embedd
 norm cancel; no LM head, no optimizer), each step timed after a warm-up. Its efficiency is the
 layer's FLOPs (6 x its matmul params + 3 x causal attention, per token) over the peak. At the
 sizes --fp8-tp names (4 by default) it also times the layer with FP8 matmuls, for the planner's
-FP8 speed-up by shard size.
+FP8 speed-up by shard size. `--profile` adds each layer's GPU time by kind of kernel (matmul,
+attention, fusions: experiments/profile_step.py's kinds) to its row, from a trace of the two models.
 """
 
 import argparse
@@ -25,9 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def layer_seconds(config, tokens: int, layers: int, reps: int) -> float:
+def layer_seconds(config, tokens: int, layers: int, reps: int, profile: bool = False):
     """Seconds of a forward + backward of config.model with `layers` layers over `tokens`
-    tokens (one sequence), the final normed states summed (no LM head), params in bf16."""
+    tokens (one sequence), the final normed states summed (no LM head), params in bf16; with
+    `profile` also the kernels of one such step (`kernel_seconds`), from a trace of `reps` more."""
     import jax
     import jax.numpy as jnp
 
@@ -44,21 +46,55 @@ def layer_seconds(config, tokens: int, layers: int, reps: int) -> float:
     params = jax.jit(lambda: module.init(jax.random.key(0), ids)["params"])()
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
-    @jax.jit
-    def step(p):
+    def grads(p):
         loss = lambda p: module.apply({"params": p}, ids, hidden=True).astype(jnp.float32).sum()
         return jax.grad(loss)(p)
+
+    step = jax.jit(grads).lower(params).compile()
 
     jax.block_until_ready(step(params))
     start = time.perf_counter()
     for _ in range(reps):
         out = step(params)
     jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
+    seconds = (time.perf_counter() - start) / reps
+    if not profile:
+        return seconds
+    return seconds, kernel_seconds(step, params, reps)
+
+
+def kernel_seconds(step, params, reps: int) -> dict:
+    """{kernel kind: seconds a step} and the top kernels' seconds a step, from a profiler trace
+    of `reps` calls of `step`."""
+    import gzip
+    import tempfile
+
+    import jax
+    from profile_step import summarize
+
+    trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="angel_calibrate_"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(reps):
+            out = step(params)
+        jax.block_until_ready(out)
+    with gzip.open(next(trace_dir.rglob("perfetto_trace.json.gz"))) as f:
+        summary = summarize(json.load(f), reps, step.as_text(), top=15)
+    top = [
+        (t["kind"], t["hlo_op"], t["ms_per_step"] / 1e3, t["source"][-90:]) for t in summary["top"]
+    ]
+    return dict(
+        by_kind={kind: ms / 1e3 for kind, ms in summary["ms_per_step_by_kind"].items()}, top=top
+    )
 
 
 def measure(
-    config_path: str, tps: list[int], fp8_tps: list[int], seq_len: int, reps: int, gpu: str
+    config_path: str,
+    tps: list[int],
+    fp8_tps: list[int],
+    seq_len: int,
+    reps: int,
+    gpu: str,
+    profile: bool = False,
 ) -> dict:
     import jax
 
@@ -85,9 +121,10 @@ def measure(
             config = load_config(config_path, [*shard, *over])
             shape = model_shape(config.model)
             mm, att = 2 * shape.layer_matmul_params(), shape.layer_attention_flops(seq_len)
-            t = (
-                layer_seconds(config, seq_len, 3, reps) - layer_seconds(config, seq_len, 1, reps)
-            ) / 2
+            three, one = (layer_seconds(config, seq_len, n, reps, profile) for n in (3, 1))
+            if profile:
+                (three, kinds3), (one, kinds1) = three, one
+            t = (three - one) / 2
             flops = seq_len * 3 * (mm + att)
             row = dict(
                 tp=tp,
@@ -96,6 +133,10 @@ def measure(
                 layer_s=t,
                 efficiency=flops / (t * peak),
             )
+            if profile:  # A layer's kernels: the 3-layer model's less the 1-layer's, halved.
+                by3, by1 = kinds3["by_kind"], kinds1["by_kind"]
+                row["kernel_s_by_kind"] = {k: (by3[k] - by1.get(k, 0.0)) / 2 for k in by3}
+                row["top_kernels_3_layers"] = kinds3["top"]
             print(json.dumps(row), flush=True)
             if name == "bf16":
                 points.append(row)
@@ -165,6 +206,7 @@ def main() -> int:
     parser.add_argument("--fp8-tp", default="4", help="of those, the sizes also timed in FP8")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="time each layer's kernels by kind")
     parser.add_argument("--out", help="default: experiments/calibration/<gpu>.json")
     parser.add_argument("--from-records", metavar="GPU", help="print the default calibration")
     args = parser.parse_args()
@@ -172,10 +214,16 @@ def main() -> int:
         print(json.dumps(points_from_records(args.from_records), indent=1))
         return 0
     sizes = lambda text: [int(t) for t in text.split(",")]
-    out = measure(
-        args.config, sizes(args.tp), sizes(args.fp8_tp), args.seq_len, args.reps, args.gpu
-    )
     sys.path.insert(0, str(ROOT / "experiments"))
+    out = measure(
+        args.config,
+        sizes(args.tp),
+        sizes(args.fp8_tp),
+        args.seq_len,
+        args.reps,
+        args.gpu,
+        args.profile,
+    )
     from bench import commit
 
     out.update(command="python " + " ".join(sys.argv), commit=commit())

@@ -22,6 +22,26 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "sequence parallel's input gradient goes back through two plain constraints",
+        "angel_jax/sharding.py",
+        "    return _regather(x, split, whole)\n",
+        "    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), whole)\n",
+        [
+            "tests/test_sequence_parallel.py::"
+            "test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads[True]"
+        ],
+    ),
+    (
+        "sequence parallel gathers the norm's output unpinned to its split layout",
+        "angel_jax/sharding.py",
+        "    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), whole)\n\n\ndef _regather_fwd",
+        "    return jax.lax.with_sharding_constraint(x, whole)\n\n\ndef _regather_fwd",
+        [
+            "tests/test_sequence_parallel.py::"
+            "test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads"
+        ],
+    ),
+    (
         "a mixture of experts' load counts one microbatch of the step",
         "angel_jax/metrics.py",
         "np.rint(value * microbatches)",

@@ -1,5 +1,6 @@
 """Ring attention (context) and Ulysses (sequence) equal attention on one device."""
 
+import math
 import re
 
 import jax
@@ -15,6 +16,7 @@ from angel_jax.parallel.attention import (
     source_precedes,
     zigzag_order,
 )
+from tests.test_plan import ROOT, needs_cuda_compiler
 from tests.test_train_parity import run_steps, small_config
 
 AXES = ("data", "pipeline", "expert", "context", "sequence", "tensor")
@@ -240,3 +242,53 @@ def test_remat_attention_keeps_the_rings_results_instead_of_running_it_again():
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, grads_full
     )
     assert sends == sends_none < sends_full, (sends, sends_none, sends_full)
+
+
+def activation_collectives(hlo: str, elements: int) -> list[tuple[str, str]]:
+    """(kind, element type) of each all-gather, reduce-scatter and all-reduce in a compiled
+    program that moves an activation of `elements` or more elements."""
+    found = []
+    for line in hlo.splitlines():
+        op = re.search(r"= \(*(\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter|all-reduce)", line)
+        if op and math.prod(int(n) for n in op.group(2).split(",") if n) >= elements:
+            found.append((op.group(3), op.group(1)))
+    return found
+
+
+@needs_cuda_compiler
+@pytest.mark.parametrize("fp8", [False, True])
+def test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads(fp8):
+    """Tensor parallel with sequence parallel, compiled for 8 GPUs: into attention and the MLP
+    the norm's bf16 output is all-gathered (not the float32 before its cast, twice the bytes);
+    back, the input gradient's partial sums are reduce-scattered (FP8's scaled dots made XLA
+    all-reduce them whole, then slice). Only the GPU compiler has reduce-scatters."""
+    from jax.experimental import topologies
+
+    from angel_jax import machine
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    target = (ROOT / "experiments" / "gpu_targets" / "h100.txtpb").read_text()
+    topology = topologies.get_topology_desc(
+        "compile-only", "cuda", topology="1x1x8", target_config=target
+    )
+    config = small_config(
+        mesh__data=1,
+        mesh__tensor=8,
+        model__sequence_parallel=True,
+        model__num_heads=8,
+        model__num_kv_heads=8,
+        model__dtype="bfloat16",
+        fp8__matmul=fp8,
+    )
+    machine.describe("gpu", 2**40, 1, machine.target_capability(target))
+    try:
+        exp = build(config, make_mesh(config.mesh, topology.devices), fit_compiled=False)
+        hlo = exp.train_step.as_text()
+    finally:
+        machine.describe(None)
+    t = config.train
+    moved = activation_collectives(hlo, t.batch_size * t.seq_len * config.model.d_model // 8)
+    kinds = {kind for kind, _ in moved}
+    assert kinds == {"all-gather", "reduce-scatter"}, moved
+    assert {dtype for kind, dtype in moved if kind == "all-gather"} <= {"bf16", "f8e5m2"}, moved

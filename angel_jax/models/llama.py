@@ -17,7 +17,7 @@ from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.lora import LoRA
 from angel_jax.remat import LAYER_INPUT, layer_policy
-from angel_jax.sharding import constrain
+from angel_jax.sharding import constrain, regather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +140,7 @@ class DecoderLayer(nn.Module):
         h_BTD = checkpoint_name(h_BTD, LAYER_INPUT)
         # The residual stream lives in norm regions ("norm_length": split over tensor under
         # sequence parallel); attention and MLP see the full sequence ("length").
-        x = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = regather(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD), RESIDUAL, LENGTH)
         attn = Attention(
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -177,8 +176,7 @@ class DecoderLayer(nn.Module):
             )
             _, h_BTCD = chunks(self, None, h_BTD.reshape(b, t // cfg.mlp_chunks, cfg.mlp_chunks, d))
             return constrain(h_BTCD.reshape(b, t, d), RESIDUAL), {}
-        x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = regather(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD), RESIDUAL, LENGTH)
         # Decoding moves a few rows: one dispatch chunk, and XLA's grouped matmul (the
         # library kernels are measured at training's row counts only).
         chunks, kernel = (
@@ -208,6 +206,7 @@ class DecoderLayer(nn.Module):
 
 
 RESIDUAL = ("batch", "norm_length", "embed")
+LENGTH = ("batch", "length", "embed")  # Attention's and the MLP's input.
 
 
 def _dropout_rngs(cfg: LlamaConfig, params: bool) -> dict:
@@ -222,7 +221,7 @@ def _mlp_half(layer: DecoderLayer, h_BTD: jax.Array) -> jax.Array:
     """h + MLP(norm(h)): the dense layer's second half, its modules named in `layer`."""
     cfg, dtype = layer.cfg, jnp.dtype(layer.cfg.dtype)
     x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm", parent=layer)(h_BTD)
-    x = constrain(x, ("batch", "length", "embed"))
+    x = regather(x, RESIDUAL, LENGTH)
     mlp = SwiGLU(
         cfg.ffn_dim,
         dtype,
@@ -286,8 +285,7 @@ class Llama(nn.Module):
         if cfg.num_experts:  # Router losses and load, per layer, for the loss and metrics.
             self.sow("intermediates", "moe", stats)
 
-        h_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
-        h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+        h_BTD = regather(RMSNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD), RESIDUAL, LENGTH)
         if hidden:
             return h_BTD
         if cfg.tie_embeddings:
@@ -347,8 +345,7 @@ def decoder_layer(cfg: LlamaConfig, layer_params, h_BTD: jax.Array) -> jax.Array
 def final_norm(cfg: LlamaConfig, params, h_BTD: jax.Array) -> jax.Array:
     """The final RMSNorm: the states the LM head (`lm_head_kernel`) turns into logits."""
     norm = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype))
-    h_BTD = norm.apply({"params": params["final_norm"]}, h_BTD)
-    return constrain(h_BTD, ("batch", "length", "embed"))
+    return regather(norm.apply({"params": params["final_norm"]}, h_BTD), RESIDUAL, LENGTH)
 
 
 def decode_layer(cfg: LlamaConfig, p, h_BTD, k_BSKH, v_BSKH, start):
