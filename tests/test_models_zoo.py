@@ -58,6 +58,7 @@ def test_family_trains_sharded_with_loss_going_down(name, mesh, zero_stage, synt
     builders are tested below; reading the corpus costs a second or two)."""
     overrides = [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()]
     overrides.append(f"--config.data.synthetic={synthetic}")
+    overrides.append("--config.model.sequence_parallel=true")  # Norm regions split too.
     config = load_config(str(CONFIGS / f"{name}.py"), TINY + overrides)
     config.zero_stage = zero_stage
     exp = build(config, make_mesh(config.mesh))

@@ -15,8 +15,8 @@ from angel_jax.layers import Attention, Embed, Linear
 from angel_jax.layers.mlp import ACTIVATIONS, DenseMLP
 from angel_jax.layers.norm import LayerNorm
 from angel_jax.layers.position import segment_mask, segment_positions
-from angel_jax.models.classic import RESIDUAL, ClassicConfig, as_dtype, run_layers
-from angel_jax.sharding import constrain
+from angel_jax.models.classic import LENGTH, RESIDUAL, ClassicConfig, as_dtype, run_layers
+from angel_jax.sharding import constrain, regather
 
 
 class BertLayer(nn.Module):
@@ -25,7 +25,7 @@ class BertLayer(nn.Module):
     @nn.compact
     def __call__(self, h_BTD: jax.Array, mask_BTT: jax.Array | None):
         cfg, dtype = self.cfg, as_dtype(self.cfg)
-        x = constrain(h_BTD, ("batch", "length", "embed"))
+        x = regather(h_BTD, RESIDUAL, LENGTH)
         attn = Attention(
             cfg.num_heads,
             cfg.num_heads,
@@ -39,7 +39,7 @@ class BertLayer(nn.Module):
         )
         h_BTD = LayerNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD + attn(x, mask_BTS=mask_BTT))
         h_BTD = constrain(h_BTD, RESIDUAL)
-        x = constrain(h_BTD, ("batch", "length", "embed"))
+        x = regather(h_BTD, RESIDUAL, LENGTH)
         mlp = DenseMLP(cfg.ffn_dim, "gelu", use_bias=True, dtype=dtype, name="mlp")
         h_BTD = LayerNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD + mlp(x))
         return constrain(h_BTD, RESIDUAL), None
@@ -70,7 +70,7 @@ class Bert(nn.Module):
         h_BTD = LayerNorm(cfg.norm_eps, dtype, name="embed_norm")(h_BTD)
         h_BTD = constrain(h_BTD, RESIDUAL)
         h_BTD = run_layers(BertLayer, cfg, cfg.num_layers, "layers", h_BTD, mask)
-        h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+        h_BTD = regather(h_BTD, RESIDUAL, LENGTH)
         # The masked-LM head: transform, GELU, LayerNorm, then the tied decoder and its bias.
         x = Linear((cfg.d_model,), ("embed", None), dtype, use_bias=True, name="mlm_transform")
         x = ACTIVATIONS["gelu"](x(h_BTD))

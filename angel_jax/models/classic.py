@@ -16,6 +16,7 @@ from angel_jax.remat import REMATS
 
 # The residual stream's layout (as in Llama; "norm_length" splits under sequence parallel).
 RESIDUAL = ("batch", "norm_length", "embed")
+LENGTH = ("batch", "length", "embed")  # Attention's and the MLP's input.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,8 @@ from angel_jax.layers import Attention, Embed
 from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.norm import LayerNorm
 from angel_jax.layers.position import segment_mask, segment_positions
-from angel_jax.models.classic import RESIDUAL, ClassicConfig, as_dtype, run_layers
-from angel_jax.sharding import constrain
+from angel_jax.models.classic import LENGTH, RESIDUAL, ClassicConfig, as_dtype, run_layers
+from angel_jax.sharding import constrain, regather
 
 
 class GPT2Block(nn.Module):
@@ -25,7 +25,7 @@ class GPT2Block(nn.Module):
         """(h, None); decoding with `cache` = (k, v, start) (Attention's): (h, (k, v))."""
         cfg, dtype = self.cfg, as_dtype(self.cfg)
         x = LayerNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = regather(x, RESIDUAL, LENGTH)
         attn = Attention(
             cfg.num_heads,
             cfg.num_heads,
@@ -41,7 +41,7 @@ class GPT2Block(nn.Module):
             attended, cache = attended
         h_BTD = constrain(h_BTD + attended, RESIDUAL)
         x = LayerNorm(cfg.norm_eps, dtype, name="mlp_norm")(h_BTD)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = regather(x, RESIDUAL, LENGTH)
         mlp = DenseMLP(cfg.ffn_dim, "gelu_tanh", use_bias=True, dtype=dtype, name="mlp")
         return constrain(h_BTD + mlp(x), RESIDUAL), cache
 
@@ -71,7 +71,7 @@ class GPT2(nn.Module):
         h_BTD = constrain(h_BTD, RESIDUAL)
         h_BTD = run_layers(GPT2Block, cfg, cfg.num_layers, "layers", h_BTD, mask)
         h_BTD = LayerNorm(cfg.norm_eps, dtype, name="final_norm")(h_BTD)
-        h_BTD = constrain(h_BTD, ("batch", "length", "embed"))
+        h_BTD = regather(h_BTD, RESIDUAL, LENGTH)
         return constrain(embed.attend(h_BTD).astype(jnp.float32), ("batch", "length", "vocab"))
 
 
@@ -90,9 +90,7 @@ def embed_tokens(cfg: ClassicConfig, params, tokens_BT, start=0):
 
 def final_norm(cfg: ClassicConfig, params, h_BTD):
     norm = LayerNorm(cfg.norm_eps, as_dtype(cfg))
-    return constrain(
-        norm.apply({"params": params["final_norm"]}, h_BTD), ("batch", "length", "embed")
-    )
+    return regather(norm.apply({"params": params["final_norm"]}, h_BTD), RESIDUAL, LENGTH)
 
 
 def lm_head(cfg: ClassicConfig, params):
