@@ -159,10 +159,11 @@ CASES = {
     "p2_1f1b_data2_tensor2_zero3": dict(
         zero_stage=3, mesh__pipeline=2, mesh__data=2, mesh__tensor=2, pipeline__schedule="1f1b"
     ),
-    "p2x2_circular_data2_tensor2": dict(
+    "p2x2_circular_data2_tensor2_sequence_parallel": dict(
         mesh__pipeline=2,
         mesh__data=2,
         mesh__tensor=2,
+        model__sequence_parallel=True,
         pipeline__schedule="circular",
         pipeline__virtual_stages=2,
     ),
@@ -195,8 +196,13 @@ CASES = {
         pipeline__virtual_stages=2,
         pipeline__microbatches=4,
     ),
-    "p2_1f1b_context2_tensor2": dict(
-        mesh__pipeline=2, mesh__data=1, mesh__context=2, mesh__tensor=2, pipeline__schedule="1f1b"
+    "p2_1f1b_context2_tensor2_sequence_parallel": dict(
+        mesh__pipeline=2,
+        mesh__data=1,
+        mesh__context=2,
+        mesh__tensor=2,
+        model__sequence_parallel=True,
+        pipeline__schedule="1f1b",
     ),
 }
 
