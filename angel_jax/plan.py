@@ -156,11 +156,14 @@ def param_count(shape) -> float:
 def layouts(problem: Problem, shape) -> list[Layout]:
     """Every layout of `problem.gpus` devices the search tries."""
     out = []
-    b, L = problem.batch, shape.num_layers
+    b, L, m = problem.batch, shape.num_layers, problem.config.model
+    # Positions split over context x tensor in norm regions (sequence parallel), each rank's
+    # twice over for the ring's zigzag, and again by the logits' and MLP's chunks.
+    per_split = math.lcm(2, m.logits_chunks, m.mlp_chunks)
     for tp, pp, cp in itertools.product(TENSOR_SIZES, PIPELINE_SIZES, CONTEXT_SIZES):
         if problem.gpus % (tp * pp * cp) or tp > problem.gpu.per_host:
             continue
-        if shape.num_heads % tp or problem.seq_len % (2 * cp) or L < pp:
+        if shape.num_heads % tp or problem.seq_len % (tp * cp * per_split) or L < pp:
             continue
         dp = problem.gpus // (tp * pp * cp)
         if b % dp:

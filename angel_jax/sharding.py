@@ -214,9 +214,12 @@ def regather(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None
     cotangent straight to `split`: the ranks' partial sums of it (a column-parallel layer's
     input gradient) meet in one reduce-scatter. Two plain constraints would transpose to an
     all-reduce over the whole `axes` layout, then a slice. Pinning `split` first keeps the
-    all-gather in x's dtype (XLA otherwise gathers the float32 before a norm's cast)."""
+    all-gather in x's dtype (XLA otherwise gathers the float32 before a norm's cast). Reverse
+    mode only (a custom_vjp): jax.jvp and jax.linear_transpose refuse it."""
     if not _active:
         return x
+    if x.ndim != len(split) or x.ndim != len(axes):
+        raise ValueError(f"array of shape {x.shape} given logical axes {split} and {axes}")
     mesh, rules = _active[-1]
     mesh = shard_map_mesh(mesh)
     split, whole = (NamedSharding(mesh, logical_to_spec(a, rules)) for a in (split, axes))

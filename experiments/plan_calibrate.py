@@ -67,6 +67,7 @@ def kernel_seconds(step, params, reps: int) -> dict:
     """{kernel kind: seconds a step} and the top kernels' seconds a step, from a profiler trace
     of `reps` calls of `step`."""
     import gzip
+    import shutil
     import tempfile
 
     import jax
@@ -79,6 +80,7 @@ def kernel_seconds(step, params, reps: int) -> dict:
         jax.block_until_ready(out)
     with gzip.open(next(trace_dir.rglob("perfetto_trace.json.gz"))) as f:
         summary = summarize(json.load(f), reps, step.as_text(), top=15)
+    shutil.rmtree(trace_dir)
     top = [
         (t["kind"], t["hlo_op"], t["ms_per_step"] / 1e3, t["source"][-90:]) for t in summary["top"]
     ]

@@ -252,3 +252,22 @@ def test_a_described_cluster_plans_each_hosts_share():
         machine.describe(None)
     assert (inp.processes, inp.local_devices) == (8, 8)
     assert inp.budget[tiers.HOST] == host // 8
+
+
+def test_every_planned_mesh_splits_the_sequence_as_the_trainer_requires():
+    """Sequence parallel (every layout with tp > 1) splits the norm regions' positions over
+    tensor x context, twice that with a ring: at 4,100 tokens (4 x 1,025) a layout with tp 4
+    or a ring would be refused by the trainer; the search leaves those out."""
+    import types
+
+    from angel_jax import sharding
+
+    seq = ["--config.train.seq_len=4100", "--config.train.batch_size=64"]
+    p = problem(64, "configs/llama3_8b.py", overrides=seq)
+    meshes = {}
+    for layout in plan.layouts(p, plan.model_shape(p.config.model)):
+        meshes.setdefault((layout.tensor, layout.pipeline, layout.context), layout)
+    assert {(2, 1, 1), (1, 1, 1)} <= set(meshes) and not {t for t, _, _ in meshes} - {1, 2}
+    for layout in meshes.values():
+        config = load_config(str(ROOT / "configs/llama3_8b.py"), [*seq, *layout.overrides()])
+        sharding.axis_rules(config, types.SimpleNamespace(shape=layout.mesh_shape()))

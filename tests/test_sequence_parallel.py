@@ -292,3 +292,34 @@ def test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads(f
     kinds = {kind for kind, _ in moved}
     assert kinds == {"all-gather", "reduce-scatter"}, moved
     assert {dtype for kind, dtype in moved if kind == "all-gather"} <= {"bf16", "f8e5m2"}, moved
+
+
+def test_regathers_backward_pins_the_gradient_to_the_split_layout_only():
+    """The backward of `regather` is one constraint, to the split layout: the ranks' partial
+    sums become a reduce-scatter on a GPU. Two plain constraints transpose to the whole
+    layout first (an all-reduce), then the split one (a slice)."""
+    from angel_jax import sharding
+    from angel_jax.mesh import make_mesh
+
+    config = small_config(mesh__data=2, mesh__tensor=4, model__sequence_parallel=True)
+    mesh = make_mesh(config.mesh, jax.devices())
+    split, whole = ("batch", "norm_length", "embed"), ("batch", "length", "embed")
+    with sharding.use_rules(mesh, sharding.axis_rules(config, mesh)):
+        _, backward = jax.vjp(lambda x: sharding.regather(x, split, whole), jnp.ones((4, 32, 8)))
+        jaxpr = jax.make_jaxpr(backward)(jnp.ones((4, 32, 8)))
+    specs = [
+        tuple(e.params["sharding"].spec)
+        for e in equations(jaxpr.jaxpr)
+        if e.primitive.name == "sharding_constraint"
+    ]
+    assert specs == [("data", "tensor", None)], specs
+
+
+def equations(jaxpr):
+    """A jaxpr's equations, those of the jaxprs inside them included."""
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from equations(inner)
