@@ -18,10 +18,8 @@ from angel_jax.family import Family
 from angel_jax.layers import Attention, Embed, Linear, RMSNorm
 from angel_jax.layers.mlp import DenseMLP
 from angel_jax.layers.position import RelativePositionBias, segment_mask, segment_positions
-from angel_jax.models.classic import RESIDUAL, ClassicConfig, as_dtype, run_layers
+from angel_jax.models.classic import LENGTH, RESIDUAL, ClassicConfig, as_dtype, run_layers
 from angel_jax.sharding import constrain, regather
-
-ACTIVATION = ("batch", "length", "embed")
 
 
 def _attention(cfg: ClassicConfig, causal: bool, name: str) -> Attention:
@@ -45,10 +43,10 @@ class T5EncoderLayer(nn.Module):
     def __call__(self, h_BTD, mask_BTT, bias_NTT):
         cfg, dtype = self.cfg, as_dtype(self.cfg)
         norm = functools.partial(RMSNorm, cfg.norm_eps, dtype)
-        x = regather(norm(name="attn_norm")(h_BTD), RESIDUAL, ACTIVATION)
+        x = regather(norm(name="attn_norm")(h_BTD), RESIDUAL, LENGTH)
         attn = _attention(cfg, False, "attn")(x, mask_BTS=mask_BTT, bias_NTS=bias_NTT)
         h_BTD = constrain(h_BTD + attn, RESIDUAL)
-        x = regather(norm(name="mlp_norm")(h_BTD), RESIDUAL, ACTIVATION)
+        x = regather(norm(name="mlp_norm")(h_BTD), RESIDUAL, LENGTH)
         mlp = DenseMLP(cfg.ffn_dim, "relu", use_bias=False, dtype=dtype, name="mlp")
         return constrain(h_BTD + mlp(x), RESIDUAL), None
 
@@ -60,13 +58,13 @@ class T5DecoderLayer(nn.Module):
     def __call__(self, h_BSD, encoded_BTD, self_mask_BSS, self_bias_NSS, cross_mask_BST):
         cfg, dtype = self.cfg, as_dtype(self.cfg)
         norm = functools.partial(RMSNorm, cfg.norm_eps, dtype)
-        x = regather(norm(name="self_attn_norm")(h_BSD), RESIDUAL, ACTIVATION)
+        x = regather(norm(name="self_attn_norm")(h_BSD), RESIDUAL, LENGTH)
         attn = _attention(cfg, True, "self_attn")(x, mask_BTS=self_mask_BSS, bias_NTS=self_bias_NSS)
         h_BSD = constrain(h_BSD + attn, RESIDUAL)
-        x = regather(norm(name="cross_attn_norm")(h_BSD), RESIDUAL, ACTIVATION)
+        x = regather(norm(name="cross_attn_norm")(h_BSD), RESIDUAL, LENGTH)
         cross = _attention(cfg, False, "cross_attn")(x, kv_BSD=encoded_BTD, mask_BTS=cross_mask_BST)
         h_BSD = constrain(h_BSD + cross, RESIDUAL)
-        x = regather(norm(name="mlp_norm")(h_BSD), RESIDUAL, ACTIVATION)
+        x = regather(norm(name="mlp_norm")(h_BSD), RESIDUAL, LENGTH)
         mlp = DenseMLP(cfg.ffn_dim, "relu", use_bias=False, dtype=dtype, name="mlp")
         return constrain(h_BSD + mlp(x), RESIDUAL), None
 
@@ -111,7 +109,7 @@ class T5(nn.Module):
             T5EncoderLayer, cfg, cfg.num_layers, "encoder", h_BTD, enc_mask, enc_bias
         )
         encoded_BTD = RMSNorm(cfg.norm_eps, dtype, name="encoder_norm")(h_BTD)
-        encoded_BTD = regather(encoded_BTD, RESIDUAL, ACTIVATION)
+        encoded_BTD = regather(encoded_BTD, RESIDUAL, LENGTH)
 
         h_BSD = constrain(embed(decoder_inputs_BS), RESIDUAL)
         dec_bias = bias(bidirectional=False, name="decoder_bias")(dec_pos, dec_pos)
@@ -127,7 +125,7 @@ class T5(nn.Module):
             cross_mask,
         )
         h_BSD = RMSNorm(cfg.norm_eps, dtype, name="decoder_norm")(h_BSD)
-        h_BSD = regather(h_BSD, RESIDUAL, ACTIVATION)
+        h_BSD = regather(h_BSD, RESIDUAL, LENGTH)
         if cfg.tie_embeddings:
             logits = embed.attend(h_BSD * cfg.d_model**-0.5)
         else:
