@@ -31,7 +31,7 @@ import ml_collections
 from angel_jax import machine
 from angel_jax.cli import Parser
 from angel_jax.config import ConfigError, load_config
-from angel_jax.planning import cost_model, tiers
+from angel_jax.planning import cost_model, schedule, tiers
 from angel_jax.planning.activations import AUTO_REMATS, activation_bytes
 from angel_jax.planning.inputs import plan_input
 from angel_jax.planning.memory import state_bytes_per_param
@@ -454,6 +454,7 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
         # The library kernels it calls (cuDNN's attention, cuBLAS's GEMMs), by name.
         kernels=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
         pinned_pool=pool,  # The setting a host's process needs, "" for XLA's default.
+        tensor_exposed=tensor_exposed(problem, layout, text, per_host),
     )
     if exp.pipeline is None:
         out["compiled_peak_gib"] = compiled_peak(exp.plan, mem.temp_size_in_bytes) / 2**30
@@ -463,7 +464,31 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
     return out
 
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+def with_compiled_schedule(problem: Problem, shape, layout: Layout, share: float | None):
+    """`layout` evaluated with the tensor collectives' exposed `share` its own compiled program
+    gives (`compile_layout`'s `tensor_exposed`) in place of the calibration's."""
+    if share is not None:
+        cal = dataclasses.replace(
+            problem.calibration, tensor_exposed_points=((layout.tensor, share),)
+        )
+        problem = dataclasses.replace(problem, calibration=cal)
+    return evaluate(problem, shape, layout, with_memory=False)
+
+
+def tensor_exposed(problem: Problem, layout: Layout, hlo_text: str, per_host: int):
+    """The share of `layout`'s tensor collectives that its compiled program's schedule leaves
+    exposed (planning/schedule.py); None without tensor collectives in its layer loop."""
+    gpu = problem.gpu
+    eff = problem.calibration.efficiency(
+        model_shape(problem.config.model).layer_matmul_params() / layout.tensor
+    )
+    hosts = max(problem.gpus // per_host, 1)
+
+    def link_of(ranks: int, innermost: bool) -> cost_model.Link:
+        spans = ranks > per_host or (not innermost and hosts > 1)
+        return cost_model.link(gpu, spans, min(ranks, per_host))
+
+    return schedule.exposed_share(schedule.collectives(hlo_text, gpu, eff, link_of), layout.tensor)
 
 
 def collective_counts(hlo_text: str) -> dict[str, dict]:
@@ -477,7 +502,7 @@ def collective_counts(hlo_text: str) -> dict[str, dict]:
         if header:
             computation = header.group(1)
             continue
-        for kind in COLLECTIVES:
+        for kind in schedule.COLLECTIVES:
             op = re.search(rf"= \(?(\w+)\[[^=]*? {kind}(-start)?\(", line)
             if op:
                 entry = out.setdefault(kind, {"ops": 0, "in_loops": 0, "dtypes": []})
@@ -563,10 +588,19 @@ def main(argv: list[str] | None = None) -> int:
         problem = make_problem(args)
         lines, fits = plan(problem, args.top)
         print("\n".join(lines), flush=True)
+        shape = model_shape(problem.config.model)
         hosts = args.hosts or max(problem.gpus // problem.gpu.per_host, 1)
         for c in fits[: args.compile]:
             got = compile_layout(problem, c.layout, hosts)
             notes = [f"collectives {got['collectives']}", f"library kernels {got['kernels']}"]
+            if got["tensor_exposed"] is not None:
+                share = problem.calibration.tensor_exposed(c.layout.tensor)
+                again = with_compiled_schedule(problem, shape, c.layout, got["tensor_exposed"])
+                notes += [
+                    f"its schedule leaves {got['tensor_exposed']:.0%} of the tensor collectives "
+                    f"exposed (the plan assumed {share:.0%}): {again.tokens_per_s:,.0f} "
+                    "tokens/s/GPU with that"
+                ]
             if got["pinned_pool"]:
                 notes += [f"each host's process needs {got['pinned_pool']}"]
             if got["compiled_peak_gib"] > got["usable_gib"]:

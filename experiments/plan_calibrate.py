@@ -200,6 +200,31 @@ def points_from_records(gpu: str, root: pathlib.Path = ROOT) -> dict:
     return dict(gpu=gpu, points=points, fp8_speedup=record["metrics"]["x bf16"])
 
 
+def schedule_points(config_path: str, tps: list[int], seq_len: int, gpu: str) -> list[dict]:
+    """How much of the tensor collectives a layer loop's compiled schedule leaves exposed at
+    each tensor size (planning/schedule.py): the config's model with 2 layers on a host of 8
+    GPUs (data x tensor, ZeRO-1, `dots_attention`, a sequence a device), compiled for `gpu`'s
+    target here (JAX's CUDA plugin; no GPU needed)."""
+    from angel_jax import plan
+
+    points = []
+    for tp in tps:
+        args = argparse.Namespace(
+            config=config_path,
+            overrides=["--config.model.num_layers=2"],
+            seq_len=seq_len,
+            global_batch_tokens=seq_len * 8 // tp,
+            gpu=gpu,
+            gpus=8,
+            hosts=1,
+        )
+        layout = plan.Layout(8 // tp, tp, 1, 1, 1, "dots_attention", 1)
+        got = plan.compile_layout(plan.make_problem(args), layout, hosts=1)
+        points.append(dict(tensor=tp, exposed=got["tensor_exposed"], layout=layout.name()))
+        print(json.dumps(points[-1]), flush=True)
+    return points
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/llama3_70b.py")
@@ -211,12 +236,31 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="time each layer's kernels by kind")
     parser.add_argument("--out", help="default: experiments/calibration/<gpu>.json")
     parser.add_argument("--from-records", metavar="GPU", help="print the default calibration")
+    parser.add_argument(
+        "--schedule-tp",
+        metavar="SIZES",
+        help="instead of timing, compile the layer loop for these tensor sizes (on a CPU with "
+        "JAX's CUDA plugin) and write the exposed share of their collectives into --out",
+    )
     args = parser.parse_args()
     if args.from_records:
         print(json.dumps(points_from_records(args.from_records), indent=1))
         return 0
     sizes = lambda text: [int(t) for t in text.split(",")]
     sys.path.insert(0, str(ROOT / "experiments"))
+    from bench import commit
+
+    path = pathlib.Path(args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json")
+    if args.schedule_tp:
+        out = json.loads(path.read_text()) if path.is_file() else dict(gpu=args.gpu, points=[])
+        out["tensor_exposed_points"] = schedule_points(
+            args.config, sizes(args.schedule_tp), args.seq_len, args.gpu
+        )
+        out["tensor_exposed_command"] = "python " + " ".join(sys.argv)
+        out["tensor_exposed_commit"] = commit()
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     out = measure(
         args.config,
         sizes(args.tp),
@@ -226,10 +270,10 @@ def main() -> int:
         args.gpu,
         args.profile,
     )
-    from bench import commit
-
     out.update(command="python " + " ".join(sys.argv), commit=commit())
-    path = pathlib.Path(args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json")
+    if path.is_file():  # The schedule's points are another command's (--schedule-tp).
+        kept = json.loads(path.read_text())
+        out.update({k: v for k, v in kept.items() if k.startswith("tensor_exposed")})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")

@@ -13,8 +13,10 @@ A step is compute plus what of its communication the compute does not hide:
 - overlap: ZeRO-3's per-layer gathers and reduce-scatters run beside the compute (XLA's latency
   hiding scheduler, inside the scan over layers) so only what exceeds the compute, and the first
   layer's, shows; the gradient reduction of ZeRO 0-2 comes after the backward scan, whole;
-  tensor-parallel all-reduces sit between dependent matmuls and show in full; ring attention's
-  K/V passes hide behind the attention; the pipeline's bubble is the schedule's.
+  tensor-parallel collectives show as far as the compiled schedule leaves them exposed (the
+  share read from programs compiled for the GPU, planning/schedule.py; all of them without
+  that reading); ring attention's K/V passes hide behind the attention; the pipeline's bubble
+  is the schedule's.
 
 The model is small on purpose: every term is a line below, and `Breakdown` prints each.
 """
@@ -114,6 +116,9 @@ class Calibration:
     # (params, FP8's speed-up) where timed by shard size: narrower shards gain less, their
     # matmuls' share of the layer and size smaller beside the casts.
     fp8_points: tuple[tuple[float, float], ...] = ()
+    # (tensor size, share of the tensor collectives' time left exposed) read from the layer
+    # loop of programs compiled for the GPU (planning/schedule.py); none: all exposed.
+    tensor_exposed_points: tuple[tuple[int, float], ...] = ()
 
     def efficiency(self, params_per_device: float) -> float:
         return _interpolated(self.points, params_per_device)
@@ -123,6 +128,13 @@ class Calibration:
         if not self.fp8_points:
             return self.fp8_speedup
         return _interpolated(self.fp8_points, params_per_device)
+
+    def tensor_exposed(self, tensor: int) -> float:
+        """The share of a `tensor`-way split's collectives our compiled schedule leaves
+        exposed, interpolated in log(tensor size) between the compiled points."""
+        if not self.tensor_exposed_points or tensor <= 1:
+            return 1.0
+        return _interpolated(self.tensor_exposed_points, tensor)
 
 
 def _interpolated(points, params_per_device: float) -> float:
@@ -180,6 +192,7 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
         tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
         data.get("fp8_speedup", default.fp8_speedup),
         tuple((p["layer_params_per_device"], p["speedup"]) for p in data.get("fp8_points", [])),
+        tuple((p["tensor"], p["exposed"]) for p in data.get("tensor_exposed_points", [])),
     )
 
 
@@ -191,15 +204,18 @@ class System:
     """How a training system runs what the layout asks: what it overlaps."""
 
     name: str
-    tp_exposed: float = 1.0  # Share of tensor-parallel collectives left on the critical path.
+    # Share of tensor-parallel collectives left on the critical path; None: as our compiled
+    # schedule leaves them (Calibration.tensor_exposed).
+    tp_exposed: float | None = 1.0
     dp_overlapped: bool = False  # ZeRO 0-2's gradient reduction overlaps the backward too.
     grad_bytes: int = 4  # The reduced gradients' bytes per parameter.
     gather_bytes: int = 2  # ZeRO-3's gathered parameters' bytes per parameter.
     interleaved_1f1b: bool = False  # Megatron's interleaved 1F1B bubble, not our schedules'.
 
 
-# Ours (XLA SPMD): float32 grads reduced after the scan, bf16 gathers under ZeRO-3.
-OURS = System("angel-jax")
+# Ours (XLA SPMD): float32 grads reduced after the scan, bf16 gathers under ZeRO-3; the
+# tensor collectives as hidden as XLA's latency-hiding scheduler places them.
+OURS = System("angel-jax", None)
 # Megatron-core / NeMo: TP communication overlap (userbuffers, Megatron-LM
 # --tp-comm-overlap) hides most TP traffic; DDP buckets overlap the grad reduce-scatter with
 # the backward; interleaved 1F1B. We assume a quarter of the TP traffic stays exposed.
@@ -313,7 +329,7 @@ def step_time(
     # reduce-scatter + all-gather pairs move the same bytes).
     passes = 4 + 2 * (share_matmul > 0)
     tensor = passes * layers * m * all_reduce_s(mb_tokens * shape.d_model * 2, tp, links["tensor"])
-    tensor *= system.tp_exposed
+    tensor *= cal.tensor_exposed(tp) if system.tp_exposed is None else system.tp_exposed
 
     # Data parallel over data x context: the grads' replicas, and ZeRO's split of the states
     # (mesh.ZERO_AXES; Megatron's distributed optimizer splits over both too).
