@@ -216,7 +216,7 @@ def _pipeline_grads(loss: TrainingLoss, setup: GradSetup, params, batch_BT1: jax
         h_BTD = pieces.final_norm(cfg, shared, h_BTD)
         logits = pieces.lm_head(cfg, shared)(h_BTD).astype(jnp.float32)
         logits = sharding.constrain(logits, ("batch", "length", "vocab"))
-        return cross_entropy(logits, targets_BT, z_loss, one_hot=True)
+        return cross_entropy(logits, targets_BT, z_loss)
 
     fns = StageFunctions(
         functools.partial(pieces.embed, cfg), functools.partial(pieces.layer, cfg), head_loss

@@ -26,18 +26,20 @@ from angel_jax.data.objectives import row_fields, split_fields
 DECODER_START_ID = 0
 
 
-def cross_entropy(
-    logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float, one_hot: bool = False
-):
-    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics. With
-    `one_hot` the target logits are picked by a one-hot product, not a gather: inside a
-    pipeline stage XLA's partitioner fails on that gather over data x tensor (jax 0.10)."""
+def target_logits(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """logits[..., target], by comparing each vocabulary index with the target and summing,
+    not by a gather: with the vocabulary split over `tensor` each rank sums its own slice and
+    the ranks add one number a token. XLA partitions a gather there by moving the logits
+    between the ranks (all-to-alls of the whole logits, forward and backward), and inside a
+    pipeline stage its partitioner fails on one."""
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
+    return jnp.sum(jnp.where(vocab == targets_BT[..., None], logits_BTV, 0), axis=-1)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, z_loss: float):
+    """Mean next-token loss (+ z_loss * mean(logsumexp^2)), and its parts as metrics."""
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    if one_hot:
-        pick = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
-        target_logit = jnp.sum(logits_BTV * pick, axis=-1)
-    else:
-        target_logit = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    target_logit = target_logits(logits_BTV, targets_BT)
     loss = jnp.mean(logz_BT - target_logit)
     z = jnp.mean(jnp.square(logz_BT))
     return loss + z_loss * z, dict(loss=loss, z_loss=z)
@@ -65,7 +67,7 @@ def chunked_cross_entropy(
         logits = lm_head(h_BWPD).astype(jnp.float32)
         logits = sharding.constrain(logits, ("batch", "length", None, "vocab"))
         logz = jax.nn.logsumexp(logits, axis=-1)
-        target = jnp.take_along_axis(logits, t_BWP[..., None], axis=-1)[..., 0]
+        target = target_logits(logits, t_BWP)
         return (sums[0] + jnp.sum(logz - target), sums[1] + jnp.sum(jnp.square(logz))), None
 
     zero = jnp.zeros((), jnp.float32)
@@ -78,7 +80,7 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT, z_loss: float):
     """Mean loss over tokens with weight 1 (+ z_loss * mean(logsumexp^2)) and its parts."""
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     safe = jnp.maximum(targets_BT, 0)  # Unweighted targets may be -1.
-    target_logit = jnp.take_along_axis(logits_BTV, safe[..., None], axis=-1)[..., 0]
+    target_logit = target_logits(logits_BTV, safe)
     weights_BT = weights_BT.astype(jnp.float32)
     count = jnp.maximum(jnp.sum(weights_BT), 1.0)
     loss = jnp.sum(weights_BT * (logz_BT - target_logit)) / count

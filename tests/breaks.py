@@ -22,6 +22,17 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 BREAKS = [
     (
+        "the loss gathers the target logits across the vocabulary's split",
+        "angel_jax/losses.py",
+        "    vocab = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)\n"
+        "    return jnp.sum(jnp.where(vocab == targets_BT[..., None], logits_BTV, 0), axis=-1)\n",
+        "    return jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]\n",
+        [
+            "tests/test_sequence_parallel.py::"
+            "test_the_loss_picks_target_logits_where_the_vocabulary_is_split",
+        ],
+    ),
+    (
         "the schedule's compute beside a collective hides none of it",
         "angel_jax/planning/schedule.py",
         "used = min(free[m], left)",

@@ -323,3 +323,29 @@ def equations(jaxpr):
             inner = getattr(value, "jaxpr", value)
             if hasattr(inner, "eqns"):
                 yield from equations(inner)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_the_loss_picks_target_logits_where_the_vocabulary_is_split(zero_stage):
+    """With the vocabulary split over `tensor`, each rank picks the targets' logits from its
+    own slice (`losses.target_logits`): the compiled step moves no logits between ranks. A
+    gather (take_along_axis) there compiles to all-to-alls of the whole logits, forward and
+    backward, and a different pick would change the loss."""
+    from angel_jax.losses import target_logits
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 11))
+    targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 11)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    np.testing.assert_array_equal(target_logits(logits, targets), picked)
+    config = small_config(
+        zero_stage=zero_stage,
+        microbatches=2,
+        mesh__data=2,
+        mesh__tensor=2,
+        model__sequence_parallel=True,
+        model__dtype="bfloat16",
+    )
+    exp = build(config, make_mesh(config.mesh, jax.devices()[:4]), fit_compiled=False)
+    assert "all-to-all" not in exp.train_step.as_text()
