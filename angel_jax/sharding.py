@@ -117,6 +117,10 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "expert": EXPERT if ep > 1 else None,
         # Not an array dimension: the axes ZeRO splits param-shaped states over (`zero_spec`).
         "zero": _axes(zero_axes(mesh.shape, config.fp8.collectives)),
+        # Those the params themselves are stored split over (ZeRO-3), else None.
+        "zero_params": _axes(zero_axes(mesh.shape, config.fp8.collectives))
+        if config.zero_stage >= 3
+        else None,
     }
 
 
@@ -195,6 +199,19 @@ def no_rules():
 def rule(name: str):
     """The mesh axes that logical axis `name` maps to now (None outside `use_rules`)."""
     return _active[-1][1][name] if _active else None
+
+
+def gather_param(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """A param `w` already cast to the compute dtype, pinned to its logical `axes`' layout;
+    under ZeRO-3 pinned to its stored split first, so the all-gather moves the compute dtype
+    (unpinned, XLA at times gathers the float32 param and casts after: the LM head's
+    kernel) and its gradient is reduce-scattered back to the split in it too."""
+    zero = rule("zero_params")
+    if zero is None or w.ndim != len(axes):
+        return constrain(w, axes)
+    mesh = shard_map_mesh(active_mesh())
+    stored = zero_spec(active_spec(axes), w.shape, mesh, zero)
+    return constrain(jax.lax.with_sharding_constraint(w, NamedSharding(mesh, stored)), axes)
 
 
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:

@@ -349,3 +349,49 @@ def test_the_loss_picks_target_logits_where_the_vocabulary_is_split(zero_stage):
     )
     exp = build(config, make_mesh(config.mesh, jax.devices()[:4]), fit_compiled=False)
     assert "all-to-all" not in exp.train_step.as_text()
+
+
+@needs_cuda_compiler
+def test_zero3_gathers_the_lm_head_in_the_compute_dtype():
+    """Under ZeRO-3 each param is cast on its stored split and gathered in bf16
+    (`sharding.gather_param`). Unpinned, XLA gathered the float32 LM head of a 70B (8192 x
+    64128 a tensor rank: 2 GiB a microbatch, twice the bf16 bytes) and cast it after."""
+    import re
+
+    from jax.experimental import topologies
+
+    from angel_jax import machine, plan
+    from angel_jax.config import load_config
+    from angel_jax.mesh import make_mesh
+    from angel_jax.train import build
+
+    target = (ROOT / "experiments" / "gpu_targets" / "h100.txtpb").read_text()
+    topology = topologies.get_topology_desc(
+        "compile-only", "cuda", topology="1x1x8", target_config=target
+    )
+    layout = plan.Layout(4, 2, 1, 1, 3, "dots_attention", 2)  # As the planner runs it.
+    config = load_config(
+        str(ROOT / "configs" / "llama3_70b.py"),
+        [
+            "--config.model.num_layers=2",
+            "--config.train.batch_size=8",
+            "--config.data.synthetic=true",
+            "--config.offload.device_gib=75",  # An H100's budget (no device here).
+            "--config.offload.activations=device",
+            *layout.overrides(),
+        ],
+    )
+    machine.describe("gpu", 2**40, 1, machine.target_capability(target))
+    try:
+        exp = build(config, make_mesh(config.mesh, topology.devices), fit_compiled=False)
+        hlo = exp.steps.lowered().compile().as_text()
+    finally:
+        machine.describe(None)
+    size = lambda array: math.prod(map(int, array[1].split(",")))
+    big = set()
+    for types in re.findall(r"= (.+?) all-gather(?:-start)?\(", hlo):  # The gathered side.
+        gathered = max(re.findall(r"(\w+)\[([\d,]+)\]", types), key=size)
+        if size(gathered) > 2**20:
+            big.add(gathered)
+    assert ("bf16", "8192,64128") in big, big
+    assert all(dtype == "bf16" for dtype, _ in big), big

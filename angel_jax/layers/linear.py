@@ -16,7 +16,13 @@ from angel_jax import fp8
 from angel_jax.lora import LoRA
 from angel_jax.parallel.embedding import vocab_parallel_take
 from angel_jax.parallel.fp8_collectives import zero3_dot
-from angel_jax.sharding import active_mesh, active_spec, constrain, in_partly_manual_region
+from angel_jax.sharding import (
+    active_mesh,
+    active_spec,
+    constrain,
+    gather_param,
+    in_partly_manual_region,
+)
 
 
 class Linear(nn.Module):
@@ -63,7 +69,7 @@ class Linear(nn.Module):
         x, w = x.astype(self.dtype), kernel.astype(self.dtype)
         if self.fp8_gather and active_mesh() is not None:
             return zero3_dot(x, w, self.axes, n_in, self.fp8)
-        w = constrain(w, self.axes)
+        w = gather_param(w, self.axes)
         if self.fp8:
             return fp8.matmul(x, w, n_in)
         return jax.lax.dot_general(x, w, fp8.dims(x.ndim, w.ndim, n_in)[0])

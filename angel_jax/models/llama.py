@@ -17,7 +17,7 @@ from angel_jax.layers.moe import MoE
 from angel_jax.layers.position import segment_mask, segment_positions
 from angel_jax.lora import LoRA
 from angel_jax.remat import LAYER_INPUT, layer_policy
-from angel_jax.sharding import constrain, regather
+from angel_jax.sharding import constrain, gather_param, regather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,8 +303,8 @@ def lm_head_kernel(cfg: LlamaConfig, params) -> jax.Array:
     embedding table when tied (what `Llama` applies to the final states)."""
     dtype = jnp.dtype(cfg.dtype)
     if cfg.tie_embeddings:
-        return constrain(params["embed"]["embedding"].astype(dtype), ("vocab", "embed")).T
-    return constrain(params["lm_head"]["kernel"].astype(dtype), ("embed", "vocab"))
+        return gather_param(params["embed"]["embedding"].astype(dtype), ("vocab", "embed")).T
+    return gather_param(params["lm_head"]["kernel"].astype(dtype), ("embed", "vocab"))
 
 
 def lm_head_logits(cfg: LlamaConfig, h_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
