@@ -472,7 +472,7 @@ def with_compiled_schedule(problem: Problem, shape, layout: Layout, share: float
             problem.calibration, tensor_exposed_points=((layout.tensor, share),)
         )
         problem = dataclasses.replace(problem, calibration=cal)
-    return evaluate(problem, shape, layout, with_memory=False)
+    return evaluate(problem, shape, layout)  # With memory: a pipeline's plan gives its bubble.
 
 
 def tensor_exposed(problem: Problem, layout: Layout, hlo_text: str, per_host: int):
