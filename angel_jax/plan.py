@@ -450,7 +450,7 @@ def compile_layout(problem: Problem, layout: Layout, hosts: int) -> dict:
         temp_gib=mem.temp_size_in_bytes / 2**30,
         argument_gib=mem.argument_size_in_bytes / 2**30,
         host_temp_gib=mem.host_temp_size_in_bytes / 2**30,
-        collectives=collective_counts(text),
+        collectives=schedule.counts(text),
         # The library kernels it calls (cuDNN's attention, cuBLAS's GEMMs), by name.
         kernels=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
         pinned_pool=pool,  # The setting a host's process needs, "" for XLA's default.
@@ -489,28 +489,6 @@ def tensor_exposed(problem: Problem, layout: Layout, hlo_text: str, per_host: in
         return cost_model.link(gpu, spans, min(ranks, per_host))
 
     return schedule.exposed_share(schedule.collectives(hlo_text, gpu, eff, link_of), layout.tensor)
-
-
-def collective_counts(hlo_text: str) -> dict[str, dict]:
-    """Per collective kind in a compiled program: how many ops, how many of them inside a loop
-    body (a scan over layers: run every layer) and their element types."""
-    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
-    out: dict[str, dict] = {}
-    computation = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"(?:ENTRY )?%(\S+) \(.*\{$", line)
-        if header:
-            computation = header.group(1)
-            continue
-        for kind in schedule.COLLECTIVES:
-            op = re.search(rf"= \(?(\w+)\[[^=]*? {kind}(-start)?\(", line)
-            if op:
-                entry = out.setdefault(kind, {"ops": 0, "in_loops": 0, "dtypes": []})
-                entry["ops"] += 1
-                entry["in_loops"] += computation in bodies
-                if op.group(1) not in entry["dtypes"]:
-                    entry["dtypes"].append(op.group(1))
-    return out
 
 
 # --- The command line.

@@ -100,6 +100,7 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
             f"config.model.num_kv_heads={m.num_kv_heads} and config.mesh.tensor={tp}: one must "
             "divide the other (KV heads are split over tensor, or replicated when fewer)"
         )
+    zero = _axes(zero_axes(mesh.shape, config.fp8.collectives))
     return {
         "batch": _axes(batch_axes),
         "length": _axes(split),
@@ -116,11 +117,9 @@ def axis_rules(config: ml_collections.ConfigDict, mesh: Mesh) -> Rules:
         "layers": PIPELINE if pp > 1 else None,
         "expert": EXPERT if ep > 1 else None,
         # Not an array dimension: the axes ZeRO splits param-shaped states over (`zero_spec`).
-        "zero": _axes(zero_axes(mesh.shape, config.fp8.collectives)),
+        "zero": zero,
         # Those the params themselves are stored split over (ZeRO-3), else None.
-        "zero_params": _axes(zero_axes(mesh.shape, config.fp8.collectives))
-        if config.zero_stage >= 3
-        else None,
+        "zero_params": zero if config.zero_stage >= 3 else None,
     }
 
 
@@ -207,7 +206,7 @@ def gather_param(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     (unpinned, XLA at times gathers the float32 param and casts after: the LM head's
     kernel) and its gradient is reduce-scattered back to the split in it too."""
     zero = rule("zero_params")
-    if zero is None or w.ndim != len(axes):
+    if zero is None:
         return constrain(w, axes)
     mesh = shard_map_mesh(active_mesh())
     stored = zero_spec(active_spec(axes), w.shape, mesh, zero)

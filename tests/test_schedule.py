@@ -128,3 +128,10 @@ def test_the_gpu_compiler_schedules_tensor_collectives_beside_compute():
     p = problem(8, "configs/tiny.py", overrides=["--config.model.dtype=bfloat16"])
     got = plan.compile_layout(p, plan.Layout(2, 4, 1, 1, 1, "dots_attention", 1), hosts=1)
     assert 0.0 < got["tensor_exposed"] < 1.0, got
+
+
+def test_counts_every_collective_started_or_run():
+    # The asynchronous start's result is a tuple, its first element the operand.
+    assert schedule.counts(
+        PROGRAM.format(groups=TENSOR_8, before="", between="", after=MATMUL)
+    ) == {"all-gather": {"ops": 1, "in_loops": 1, "dtypes": ["bf16"]}}

@@ -83,9 +83,14 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
     return out
 
 
+def _shapes(instructions) -> dict[str, tuple[int, ...]]:
+    """Each instruction's result shape (a tuple's first array's)."""
+    return {n: (_arrays(t) or [("", ())])[0][1] for n, t, _, _ in instructions}
+
+
 def _dot_flops(instructions) -> float:
     """2 x output x contracted size of each dot in a computation."""
-    types = {n: (_arrays(t) or [("", ())])[0][1] for n, t, _, _ in instructions}
+    types = _shapes(instructions)
     flops = 0.0
     for _, result, opcode, rest in instructions:
         if opcode != "dot":
@@ -117,7 +122,7 @@ def op_seconds(program: dict, name: str, gpu: Gpu, efficiency: float) -> dict[st
     """Estimated seconds of each instruction of computation `name` (0 for the free ones)."""
     instructions = program[name]
     results = {n: t for n, t, _, _ in instructions}
-    shapes = {n: (_arrays(t) or [("", ())])[0][1] for n, t in results.items()}
+    shapes = _shapes(instructions)
     flops_s, bytes_s = gpu.peak_tflops * 1e12 * efficiency, gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     out = {}
     for n, result, opcode, rest in instructions:
@@ -144,6 +149,30 @@ def op_seconds(program: dict, name: str, gpu: Gpu, efficiency: float) -> dict[st
     return out
 
 
+def _kind(opcode: str) -> str:
+    """The collective an opcode starts, runs or ends ("" for none)."""
+    return next((k for k in COLLECTIVES if opcode.startswith(k)), "")
+
+
+def counts(hlo_text: str) -> dict[str, dict]:
+    """Per collective kind in a compiled program: how many ops, how many of them inside a loop
+    body (a scan over layers: run every layer) and their element types."""
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+    out: dict[str, dict] = {}
+    for name, instructions in _computations(hlo_text).items():
+        for _, result, opcode, _ in instructions:
+            kind = _kind(opcode)
+            if not kind or opcode.endswith("-done"):
+                continue
+            entry = out.setdefault(kind, {"ops": 0, "in_loops": 0, "dtypes": []})
+            entry["ops"] += 1
+            entry["in_loops"] += name in bodies
+            dtype = _arrays(result)[0][0]
+            if dtype not in entry["dtypes"]:
+                entry["dtypes"].append(dtype)
+    return out
+
+
 def collectives(
     hlo_text: str, gpu: Gpu, efficiency: float, link_of: Callable[[int, bool], Link]
 ) -> list[Collective]:
@@ -155,9 +184,7 @@ def collectives(
     bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
     found = []
     for name, instructions in program.items():
-        kinds = [
-            next((k for k in COLLECTIVES if op.startswith(k)), "") for _, _, op, _ in instructions
-        ]
+        kinds = [_kind(op) for _, _, op, _ in instructions]
         if not any(kinds):
             continue
         free = op_seconds(program, name, gpu, efficiency)
@@ -167,22 +194,18 @@ def collectives(
         ):
             if not kind:
                 continue
-            if opcode.endswith("-start"):
-                size = max(_nbytes([a]) for a in _arrays(result))
-                started[n] = (i, size, _group(rest))
-                continue
             if opcode.endswith("-done"):
                 start = _operands(rest)[0]
                 if start not in started:
                     continue
                 j, size, (ranks, inner) = started.pop(start)
                 between = [m for m, _, _, _ in instructions[j + 1 : i]]
-            else:  # Synchronous: nothing runs beside it.
-                size, (ranks, inner), between = (
-                    max(_nbytes([a]) for a in _arrays(result)),
-                    _group(rest),
-                    [],
-                )
+            else:
+                size, (ranks, inner) = max(_nbytes([a]) for a in _arrays(result)), _group(rest)
+                if opcode.endswith("-start"):
+                    started[n] = (i, size, (ranks, inner))
+                    continue
+                between = []  # Synchronous: nothing runs beside it.
             c = Collective(kind, size, ranks, inner, name in bodies, 0.0, 0.0)
             left = transfer_s(c, link_of(ranks, inner))
             c = dataclasses.replace(c, transfer_s=left)
