@@ -31,7 +31,7 @@ class Collective:
     nbytes: int  # The larger side (gathered / unreduced) per rank.
     ranks: int  # Its group's size.
     innermost: bool  # Over the mesh's innermost axis (`tensor`: consecutive devices).
-    in_loop: bool  # In a while loop's body (a scan over layers: runs every layer).
+    in_loop: bool  # In a while loop's body (the layer scan, the microbatch loop: runs often).
     transfer_s: float  # Its time on its link alone (ring algorithms, as the cost model's).
     exposed_s: float  # What of that the compute scheduled beside it does not hide.
 
@@ -228,8 +228,9 @@ def transfer_s(c: Collective, ln: Link) -> float:
 
 
 def exposed_share(found: list[Collective], tensor: int) -> float | None:
-    """The share of the tensor axis's collectives' time in the layer loops that their
-    schedule leaves exposed; None where there are none."""
+    """The share of the tensor axis's collectives' time in loops (the layer scan's and the
+    microbatch loop's, the LM head's among them) that their schedule leaves exposed; None
+    where there are none."""
     chosen = [c for c in found if c.in_loop and c.innermost and c.ranks == tensor]
     total = sum(c.transfer_s for c in chosen)
     return sum(c.exposed_s for c in chosen) / total if total else None
