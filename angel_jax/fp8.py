@@ -57,23 +57,45 @@ def dims(x_ndim: int, w_ndim: int, n_in: int):
     return forward, dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def matmul(x: jax.Array, w: jax.Array, n_in: int = 1, scaling=quantize) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, n_in: int = 1, scaling=quantize, x8=None) -> jax.Array:
     """x (L.., I..) . w (I.., O..) -> (L.., O..) in x's dtype, through FP8 GEMMs forward and
     backward; `scaling` quantizes each operand (`quantize`'s signature: current scaling;
-    experiments/fp8_gemm.py passes a fixed scale to bound what delayed scaling could save)."""
-    return _matmul_fwd(x, w, n_in, scaling)[0]
+    experiments/fp8_gemm.py passes a fixed scale to bound what delayed scaling could save).
+    `x8`: x's FP8 copy and scale when the caller made them (`gather_quantized`: once for
+    several projections of one input); x then only carries the gradient."""
+    if x8 is None:
+        x8 = scaling(jax.lax.stop_gradient(x), E4M3)
+    return _matmul(x, *x8, w, n_in, scaling)
 
 
-def _matmul_fwd(x, w, n_in, scaling=quantize):
-    (xq, xs), (wq, ws) = scaling(x, E4M3), scaling(row_major(w), E4M3)
+def gather_quantized(x: jax.Array, layouts) -> tuple[jax.Array, jax.Array]:
+    """x's e4m3 copy and scale for `matmul`'s `x8`, made on x's split and gathered whole
+    (`layouts` = (split, whole): `sharding.gather_layouts`): under sequence parallel each rank
+    casts 1/tp of x and the all-gather moves FP8 bytes, half of bf16's, where quantizing the
+    gathered x would cast all of it on every rank."""
+    split, whole = layouts
+    pin = jax.lax.with_sharding_constraint
+    # Pinned to the split on both sides of the cast, else XLA may gather float32 in between.
+    xq, xs = quantize(pin(jax.lax.stop_gradient(x), split), E4M3)
+    return pin(pin(xq, split), whole), xs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _matmul(x, xq, xs, w, n_in, scaling):
+    """x.w from x's FP8 copy (xq, xs): x is there for its gradient."""
+    return _matmul_fwd(x, xq, xs, w, n_in, scaling)[0]
+
+
+def _matmul_fwd(x, xq, xs, w, n_in, scaling):
+    wq, ws = scaling(row_major(w), E4M3)
     forward, _, _ = dims(x.ndim, w.ndim, n_in)
     y = scaled_dot(xq, wq, xs * ws, forward, x.dtype)
     return y, (xq, xs, wq, ws)  # The FP8 copies are the residuals: half of bf16's memory.
 
 
 def _matmul_bwd(n_in, scaling, residuals, g):
-    return backward(*residuals, g, n_in, scaling)
+    dx, dw = backward(*residuals, g, n_in, scaling)
+    return dx, None, None, dw
 
 
 def backward(xq, xs, wq, ws, g, n_in, scaling=quantize):
@@ -85,4 +107,4 @@ def backward(xq, xs, wq, ws, g, n_in, scaling=quantize):
     return dx, dw
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

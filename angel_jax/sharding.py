@@ -232,16 +232,25 @@ def regather(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None
     all-reduce over the whole `axes` layout, then a slice. Pinning `split` first keeps the
     all-gather in x's dtype (XLA otherwise gathers the float32 before a norm's cast). Reverse
     mode only (a custom_vjp): jax.jvp and jax.linear_transpose refuse it."""
-    if not _active:
+    layouts = gather_layouts(x, split, axes)
+    if layouts is None:
         return x
+    split, whole = layouts
+    if split == whole:
+        return jax.lax.with_sharding_constraint(x, whole)
+    return _regather(x, split, whole)
+
+
+def gather_layouts(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None, ...]):
+    """(split, whole): the shardings of `x`'s logical `split` and `axes` under the active
+    rules, for a gather from one to the other (`regather`, `fp8.matmul`); None without rules."""
+    if not _active:
+        return None
     if x.ndim != len(split) or x.ndim != len(axes):
         raise ValueError(f"array of shape {x.shape} given logical axes {split} and {axes}")
     mesh, rules = _active[-1]
     mesh = shard_map_mesh(mesh)
-    split, whole = (NamedSharding(mesh, logical_to_spec(a, rules)) for a in (split, axes))
-    if split == whole:
-        return jax.lax.with_sharding_constraint(x, whole)
-    return _regather(x, split, whole)
+    return tuple(NamedSharding(mesh, logical_to_spec(a, rules)) for a in (split, axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

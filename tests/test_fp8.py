@@ -287,6 +287,23 @@ def test_training_with_fp8_matmuls_and_collectives_tracks_the_exact_run():
     assert losses["fp8"] != losses["exact"]  # It did go through FP8.
 
 
+def test_fp8_matmuls_under_sequence_parallel_equal_one_device():
+    """Tensor 4 with sequence parallel: each norm output is quantized on its split and
+    gathered in e4m3 (`fp8.gather_quantized`, one scale over the whole tensor), its gradient
+    summed from the projections that share it. The losses and gradients are one device's FP8
+    run's up to the reduction order (a quantized value may round the other way: 1e-3)."""
+    from tests.test_train_parity import run_steps
+
+    one = run_steps(small_config(mesh__data=1, fp8__matmul=True), jax.devices()[:1])
+    config = small_config(
+        mesh__data=2, mesh__tensor=4, model__sequence_parallel=True, fp8__matmul=True
+    )
+    _, grads, losses, _ = run_steps(config, jax.devices())
+    np.testing.assert_allclose(losses, one[2], rtol=1e-3)
+    relative = lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+    assert max(jax.tree.leaves(jax.tree.map(relative, grads, one[1]))) < 1e-4
+
+
 def test_fp8_collectives_need_zero3():
     with pytest.raises(ConfigError, match=r"config.fp8.collectives .* config.zero_stage=1"):
         build(small_config(fp8__collectives=True), make_mesh(small_config().mesh, jax.devices()))

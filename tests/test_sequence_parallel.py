@@ -244,12 +244,15 @@ def test_remat_attention_keeps_the_rings_results_instead_of_running_it_again():
     assert sends == sends_none < sends_full, (sends, sends_none, sends_full)
 
 
-def activation_collectives(hlo: str, elements: int) -> list[tuple[str, str]]:
+def activation_collectives(hlo: str, elements: int, within: str = "") -> list[tuple[str, str]]:
     """(kind, element type) of each all-gather, reduce-scatter and all-reduce in a compiled
-    program that moves an activation of `elements` or more elements."""
+    program that moves an activation of `elements` or more elements (from ops whose name
+    holds `within`)."""
     found = []
     for line in hlo.splitlines():
         op = re.search(r"= \(*(\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter|all-reduce)", line)
+        if within not in line:
+            continue
         if op and math.prod(int(n) for n in op.group(2).split(",") if n) >= elements:
             found.append((op.group(3), op.group(1)))
     return found
@@ -259,9 +262,11 @@ def activation_collectives(hlo: str, elements: int) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads(fp8):
     """Tensor parallel with sequence parallel, compiled for 8 GPUs: into attention and the MLP
-    the norm's bf16 output is all-gathered (not the float32 before its cast, twice the bytes);
-    back, the input gradient's partial sums are reduce-scattered (FP8's scaled dots made XLA
-    all-reduce them whole, then slice). Only the GPU compiler has reduce-scatters."""
+    the norm's bf16 output is all-gathered (not the float32 before its cast, twice the bytes),
+    under FP8 matmuls its e4m3 copy made on the split (`fp8.gather_quantized`; gathered whole
+    in bf16, each rank cast all of it), and the row-parallel layers' output gradients in
+    e5m2; back, the input gradient's partial sums are reduce-scattered (FP8's scaled dots
+    made XLA all-reduce them whole, then slice). Only the GPU compiler has reduce-scatters."""
     from jax.experimental import topologies
 
     from angel_jax import machine
@@ -288,10 +293,13 @@ def test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads(f
     finally:
         machine.describe(None)
     t = config.train
-    moved = activation_collectives(hlo, t.batch_size * t.seq_len * config.model.d_model // 8)
+    elements = t.batch_size * t.seq_len * config.model.d_model // 8
+    moved = activation_collectives(hlo, elements)
     kinds = {kind for kind, _ in moved}
     assert kinds == {"all-gather", "reduce-scatter"}, moved
-    assert {dtype for kind, dtype in moved if kind == "all-gather"} <= {"bf16", "f8e5m2"}, moved
+    in_layers = activation_collectives(hlo, elements, within="/layers/")
+    gathered = {dtype for kind, dtype in in_layers if kind == "all-gather"}
+    assert gathered == ({"f8e4m3fn", "f8e5m2"} if fp8 else {"bf16"}), in_layers
 
 
 def test_regathers_backward_pins_the_gradient_to_the_split_layout_only():

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from angel_jax import lora, sharding
 from angel_jax.config import ConfigError
 from angel_jax.kernels import traced_attention
-from angel_jax.layers.linear import Linear
+from angel_jax.layers.linear import Linear, gathered_input
 from angel_jax.mesh import CONTEXT
 from angel_jax.parallel.attention import (
     per_device_attention,
@@ -155,6 +155,7 @@ class Attention(nn.Module):
     scale: float | None = None  # Of the scores; None: 1 / sqrt(head_dim) (T5 uses 1).
     rope_scaling: RopeScaling = RopeScaling()
     adapters: lora.LoRA | None = None  # LoRA on the projections its targets name (q, k, v, o).
+    gather: tuple | None = None  # x's (split, whole) logical axes (linear.gathered_input).
 
     @nn.compact
     def __call__(
@@ -183,12 +184,14 @@ class Attention(nn.Module):
             use_bias=self.use_bias,
         )
         cross = kv_BSD is not None
-        kv_BSD = kv_BSD if cross else x_BTD
+        x_BTD, x8 = gathered_input(x_BTD, self.gather, self.fp8 and not self.fp8_gather)
+        kv_BSD, kv8 = (kv_BSD, None) if cross else (x_BTD, x8)
         on = lambda target: lora.on(self.adapters, target)
-        q_BTNH = linear((n, h), ("embed", "heads", "head_dim"), lora=on("q"), name="query")(x_BTD)
+        q = linear((n, h), ("embed", "heads", "head_dim"), lora=on("q"), name="query")
+        q_BTNH = q(x_BTD, x8)
         kv_kernel = ("embed", "kv_heads", "head_dim")
-        k_BTKH = linear((k, h), kv_kernel, lora=on("k"), name="key")(kv_BSD)
-        v_BTKH = linear((k, h), kv_kernel, lora=on("v"), name="value")(kv_BSD)
+        k_BTKH = linear((k, h), kv_kernel, lora=on("k"), name="key")(kv_BSD, kv8)
+        v_BTKH = linear((k, h), kv_kernel, lora=on("v"), name="value")(kv_BSD, kv8)
         q_BTNH, k_BTKH, v_BTKH = checkpoint_name((q_BTNH, k_BTKH, v_BTKH), "qkv")
         out_kernel = ("heads", "head_dim", "embed")
         out = linear((x_BTD.shape[-1],), out_kernel, lora=on("o"), name="out")

@@ -20,8 +20,10 @@ from angel_jax.sharding import (
     active_mesh,
     active_spec,
     constrain,
+    gather_layouts,
     gather_param,
     in_partly_manual_region,
+    regather,
 )
 
 
@@ -41,8 +43,9 @@ class Linear(nn.Module):
     lora: LoRA | None = None  # A LoRA adapter beside the kernel.
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self._project(x)
+    def __call__(self, x: jax.Array, x8=None) -> jax.Array:
+        """`x8`: x's FP8 copy made by the caller (`gathered_input`), for an FP8 projection."""
+        y = self._project(x, x8)
         if self.lora:
             y = y + self._adapter(x)
         if not self.use_bias:
@@ -56,7 +59,7 @@ class Linear(nn.Module):
         )
         return y + constrain(bias.astype(self.dtype), out_axes)
 
-    def _project(self, x: jax.Array) -> jax.Array:
+    def _project(self, x: jax.Array, x8) -> jax.Array:
         n_in = len(self.axes) - len(self.features)
         in_shape = x.shape[x.ndim - n_in :]
         init = nn.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
@@ -71,7 +74,7 @@ class Linear(nn.Module):
             return zero3_dot(x, w, self.axes, n_in, self.fp8)
         w = gather_param(w, self.axes)
         if self.fp8:
-            return fp8.matmul(x, w, n_in)
+            return fp8.matmul(x, w, n_in, x8=x8)
         return jax.lax.dot_general(x, w, fp8.dims(x.ndim, w.ndim, n_in)[0])
 
     def _adapter(self, x: jax.Array) -> jax.Array:
@@ -100,6 +103,20 @@ class Linear(nn.Module):
         a, b = constrain(a.astype(self.dtype), a_axes), constrain(b.astype(self.dtype), b_axes)
         h = jax.lax.dot_general(x, a, fp8.dims(x.ndim, a.ndim, n_in)[0])
         return self.lora.scale * jax.lax.dot_general(h, b, fp8.dims(h.ndim, b.ndim, 1)[0])
+
+
+def gathered_input(x: jax.Array, gather, fp8_matmul: bool) -> tuple[jax.Array, tuple | None]:
+    """(x, x8) for projections of x that `gather` = (split, whole) logical axes: x arrives
+    split (sequence parallel's norm region) and the dots want it whole. In bf16 x gathered
+    (`regather`); for FP8 projections x stays split (their gradients meet there) and x8 is its
+    FP8 copy, quantized on the split and gathered (`fp8.gather_quantized`), made once for them
+    all. (x, None) where nothing is to be gathered (each projection quantizes x itself)."""
+    layouts = gather and gather_layouts(x, *gather)
+    if not layouts or layouts[0] == layouts[1]:
+        return x, None
+    if fp8_matmul:
+        return x, fp8.gather_quantized(x, layouts)
+    return regather(x, *gather), None
 
 
 class Embed(nn.Module):

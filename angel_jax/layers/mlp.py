@@ -8,7 +8,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from angel_jax import lora
-from angel_jax.layers.linear import Linear
+from angel_jax.layers.linear import Linear, gathered_input
 from angel_jax.sharding import constrain
 
 
@@ -18,6 +18,7 @@ class SwiGLU(nn.Module):
     fp8: bool = False  # Projections through FP8 (Linear.fp8).
     fp8_gather: bool = False  # ZeRO-3 all-gathers of their kernels in FP8 (Linear.fp8_gather).
     adapters: lora.LoRA | None = None  # LoRA on the projections its targets name (gate, up, down).
+    gather: tuple | None = None  # x's (split, whole) logical axes (linear.gathered_input).
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -26,8 +27,9 @@ class SwiGLU(nn.Module):
             Linear, dtype=self.dtype, fp8=self.fp8, fp8_gather=self.fp8_gather
         )
         on = lambda target: lora.on(self.adapters, target)
-        gate = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("gate"), name="gate")(x)
-        up = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("up"), name="up")(x)
+        x, x8 = gathered_input(x, self.gather, self.fp8 and not self.fp8_gather)
+        gate = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("gate"), name="gate")(x, x8)
+        up = linear((self.ffn_dim,), ("embed", "mlp"), lora=on("up"), name="up")(x, x8)
         gate, up = checkpoint_name((gate, up), "mlp_in")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         return linear((d_model,), ("mlp", "embed"), lora=on("down"), name="down")(h)

@@ -139,8 +139,9 @@ class DecoderLayer(nn.Module):
         # no device copy behind.
         h_BTD = checkpoint_name(h_BTD, LAYER_INPUT)
         # The residual stream lives in norm regions ("norm_length": split over tensor under
-        # sequence parallel); attention and MLP see the full sequence ("length").
-        x = regather(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD), RESIDUAL, LENGTH)
+        # sequence parallel); attention and MLP see the full sequence ("length"), gathered
+        # by their input projections (quantized first under FP8).
+        x = constrain(RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(h_BTD), RESIDUAL)
         attn = Attention(
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -153,6 +154,7 @@ class DecoderLayer(nn.Module):
             cfg.fp8_gather,
             rope_scaling=cfg.rope_scaling,
             adapters=cfg.lora,
+            gather=(RESIDUAL, LENGTH),
             name="attn",
         )(x, mask_BTS=mask_BTT, positions=positions_BT, cache=cache)
         if cache is not None:
@@ -220,14 +222,14 @@ def _dropout_rngs(cfg: LlamaConfig, params: bool) -> dict:
 def _mlp_half(layer: DecoderLayer, h_BTD: jax.Array) -> jax.Array:
     """h + MLP(norm(h)): the dense layer's second half, its modules named in `layer`."""
     cfg, dtype = layer.cfg, jnp.dtype(layer.cfg.dtype)
-    x = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm", parent=layer)(h_BTD)
-    x = regather(x, RESIDUAL, LENGTH)
+    x = constrain(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm", parent=layer)(h_BTD), RESIDUAL)
     mlp = SwiGLU(
         cfg.ffn_dim,
         dtype,
         cfg.fp8_matmul,
         cfg.fp8_gather,
         adapters=cfg.lora,
+        gather=(RESIDUAL, LENGTH),
         name="mlp",
         parent=layer,
     )
