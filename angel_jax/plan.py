@@ -480,7 +480,8 @@ def tensor_exposed(problem: Problem, layout: Layout, hlo_text: str, per_host: in
     exposed (planning/schedule.py); None without tensor collectives in its layer loop."""
     gpu = problem.gpu
     eff = problem.calibration.efficiency(
-        model_shape(problem.config.model).layer_matmul_params() / layout.tensor
+        model_shape(problem.config.model).layer_matmul_params() / layout.tensor,
+        layout.tensor > 1,
     )
     hosts = max(problem.gpus // per_host, 1)
 

@@ -89,6 +89,28 @@ def kernel_seconds(step, params, reps: int) -> dict:
     )
 
 
+# Kernel kinds (profile_step.py's) a tensor split leaves whole in the timed shard: the rest
+# (norms, residual adds, casts, copies) sequence parallel splits tp ways.
+SPLIT_BY_HEADS = ("matmul", "attention (cuDNN)")
+
+
+def sequence_parallel(rows: list[dict]) -> None:
+    """Adds to each profiled row (`kernel_s_by_kind`) its layer's time and efficiency as
+    sequence parallel runs the shard: `layer_sp_s` = its matmul and attention kernels, which
+    the shard times at their split widths, plus the rest of the same variant's tp 1 layer over
+    tp. The timed shard runs the norm regions on the whole sequence, and under FP8 quantizes
+    whole inputs; in a run each rank holds 1/tp of the sequence there (FP8's inputs are cast
+    on that split before their gather, fp8.gather_quantized). Rows without a profiled tp 1 of
+    their variant are left as they are."""
+    whole = {r["variant"]: r for r in rows if r["tp"] == 1 and "kernel_s_by_kind" in r}
+    rest = lambda r: sum(s for k, s in r["kernel_s_by_kind"].items() if k not in SPLIT_BY_HEADS)
+    for r in rows:
+        if "kernel_s_by_kind" not in r or r["variant"] not in whole:
+            continue
+        r["layer_sp_s"] = r["layer_s"] - rest(r) + rest(whole[r["variant"]]) / r["tp"]
+        r["efficiency_sp"] = r["efficiency"] * r["layer_s"] / r["layer_sp_s"]
+
+
 def measure(
     config_path: str,
     tps: list[int],
@@ -143,6 +165,7 @@ def measure(
             if name == "bf16":
                 points.append(row)
             extra[(tp, name)] = row
+    sequence_parallel(list(extra.values()))
     out = dict(
         gpu=gpu,
         device=jax.devices()[0].device_kind,
@@ -152,19 +175,23 @@ def measure(
         seq_len=seq_len,
         points=points,
     )
-    fp8 = [
-        dict(
-            tp=tp,
-            layer_params_per_device=extra[tp, "bf16"]["layer_params_per_device"],
-            speedup=extra[tp, "bf16"]["layer_s"] / extra[tp, "fp8"]["layer_s"],
-        )
-        for tp in tps
-        if (tp, "fp8") in extra
-    ]
+    fp8 = [fp8_point(extra[tp, "bf16"], extra[tp, "fp8"]) for tp in tps if (tp, "fp8") in extra]
     if fp8:
         out["fp8_points"] = fp8
         out["fp8_speedup"] = next((p for p in fp8 if p["tp"] == 4), fp8[0])["speedup"]
     return out
+
+
+def fp8_point(bf16: dict, fp8: dict) -> dict:
+    """FP8's speed-up of one shard, timed and (where profiled) as sequence parallel runs it."""
+    point = dict(
+        tp=bf16["tp"],
+        layer_params_per_device=bf16["layer_params_per_device"],
+        speedup=bf16["layer_s"] / fp8["layer_s"],
+    )
+    if "layer_sp_s" in bf16 and "layer_sp_s" in fp8:
+        point["speedup_sp"] = bf16["layer_sp_s"] / fp8["layer_sp_s"]
+    return point
 
 
 def points_from_records(gpu: str, root: pathlib.Path = ROOT) -> dict:

@@ -1130,9 +1130,19 @@ BREAKS = [
         ],
     ),
     (
+        "the planner times a tensor shard's norm regions on the whole sequence",
+        "angel_jax/planning/cost_model.py",
+        "    eff = cal.efficiency(shape.layer_matmul_params() / tp, tp > 1)",
+        "    eff = cal.efficiency(shape.layer_matmul_params() / tp)",
+        [
+            "tests/test_plan.py::"
+            "test_sequence_parallel_calibration_splits_what_the_shard_runs_whole"
+        ],
+    ),
+    (
         "the planner's FP8 gain is one figure for every shard size",
         "angel_jax/planning/cost_model.py",
-        "        eff *= cal.fp8(shape.layer_matmul_params() / tp)",
+        "        eff *= cal.fp8(shape.layer_matmul_params() / tp, tp > 1)",
         "        eff *= cal.fp8_speedup",
         ["tests/test_plan.py::test_fp8s_gain_follows_the_shard_size_where_timed_by_it"],
     ),

@@ -81,6 +81,46 @@ def test_fp8s_gain_follows_the_shard_size_where_timed_by_it():
     assert len(measured.fp8_points) == 2 and measured.fp8(layer / 8) < measured.fp8(layer / 4)
 
 
+def test_sequence_parallel_calibration_splits_what_the_shard_runs_whole():
+    """A tensor shard timed on one GPU runs its norm regions (and FP8's casts) on the whole
+    sequence; sequence parallel splits them tp ways (plan_calibrate.sequence_parallel): the
+    shard's matmul and attention kernels plus tp 1's rest over tp. The planner takes those
+    points for every layout with a tensor split, and the plain ones without."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from plan_calibrate import SPLIT_BY_HEADS, fp8_point, sequence_parallel
+
+    rows = json.loads((ROOT / "experiments/results/fp8_tp_profile.json").read_text())["rows"]
+    sequence_parallel(rows)
+    by = {(r["tp"], r["variant"]): r for r in rows}
+    others = ("elementwise fusion", "copy", "reduction", "other")
+    assert set(SPLIT_BY_HEADS) | set(others) == set(rows[0]["kernel_s_by_kind"])
+    rest = lambda r: sum(r["kernel_s_by_kind"][k] for k in others)
+    for variant in ("bf16", "fp8"):
+        one, eight = by[1, variant], by[8, variant]
+        assert one["layer_sp_s"] == one["layer_s"]
+        split = eight["layer_s"] - rest(eight) + rest(one) / 8
+        assert eight["layer_sp_s"] == pytest.approx(split, rel=1e-3)
+        assert eight["layer_sp_s"] < 0.8 * eight["layer_s"]  # The norm regions, split.
+    gain = fp8_point(by[8, "bf16"], by[8, "fp8"])
+    assert gain["speedup_sp"] > gain["speedup"]  # FP8's casts split too.
+
+    p = problem()
+    shape = plan.model_shape(p.config.model)
+    layer = shape.layer_matmul_params()
+    cal = dataclasses.replace(
+        p.calibration, points=((layer / 8, 0.4), (layer, 0.5)), sp_points=((layer / 8, 0.6),)
+    )
+    for tp, eff in ((8, 0.6), (1, 0.5)):
+        layout = plan.Layout(64 // tp, tp, 1, 1, 3, "full", 8)
+        plain = dataclasses.replace(cal, sp_points=())
+        ratio = [
+            cost_model.step_time(shape, layout, 8192, 128, p.gpu, c).compute_s for c in (plain, cal)
+        ]
+        assert ratio[0] / ratio[1] == pytest.approx(eff / plain.efficiency(layer / tp)), tp
+
+
 def test_the_memory_check_refuses_and_names_why():
     p = problem()
     shape = plan.model_shape(p.config.model)

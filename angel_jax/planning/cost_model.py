@@ -119,15 +119,23 @@ class Calibration:
     # (tensor size, share of the tensor collectives' time left exposed) read from the layer
     # loop of programs compiled for the GPU (planning/schedule.py); none: all exposed.
     tensor_exposed_points: tuple[tuple[int, float], ...] = ()
+    # `points` and `fp8_points` as sequence parallel runs the shard (with the tp 1 point):
+    # the timed shard runs its norm regions, and FP8's casts, on the whole sequence, which
+    # sequence parallel splits tp ways (plan_calibrate.sequence_parallel). None: not profiled.
+    sp_points: tuple[tuple[float, float], ...] = ()
+    fp8_sp_points: tuple[tuple[float, float], ...] = ()
 
-    def efficiency(self, params_per_device: float) -> float:
-        return _interpolated(self.points, params_per_device)
+    def efficiency(self, params_per_device: float, sequence_parallel: bool = False) -> float:
+        points = self.sp_points if sequence_parallel and self.sp_points else self.points
+        return _interpolated(points, params_per_device)
 
-    def fp8(self, params_per_device: float) -> float:
+    def fp8(self, params_per_device: float, sequence_parallel: bool = False) -> float:
         """FP8 matmuls' speed-up of a layer with this many matmul params on a device."""
-        if not self.fp8_points:
+        points = self.fp8_sp_points if sequence_parallel and self.fp8_sp_points else ()
+        points = points or self.fp8_points
+        if not points:
             return self.fp8_speedup
-        return _interpolated(self.fp8_points, params_per_device)
+        return _interpolated(points, params_per_device)
 
     def tensor_exposed(self, tensor: int) -> float:
         """The share of a `tensor`-way split's collectives our compiled schedule leaves
@@ -186,13 +194,19 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
         return DEFAULT_POINTS[gpu]
     data = json.loads(path.read_text())
     default = DEFAULT_POINTS[gpu]
+    points = lambda rows, key: tuple(
+        (p["layer_params_per_device"], p[key]) for p in rows if key in p
+    )
+    fp8 = data.get("fp8_points", [])
     return Calibration(
         f"measured: {path.relative_to(REPO) if path.is_relative_to(REPO) else path} "
         f"({data.get('device', '?')}, {data.get('date', '?')})",
-        tuple((p["layer_params_per_device"], p["efficiency"]) for p in data["points"]),
+        points(data["points"], "efficiency"),
         data.get("fp8_speedup", default.fp8_speedup),
-        tuple((p["layer_params_per_device"], p["speedup"]) for p in data.get("fp8_points", [])),
+        points(fp8, "speedup"),
         tuple((p["tensor"], p["exposed"]) for p in data.get("tensor_exposed_points", [])),
+        points(data["points"], "efficiency_sp"),
+        points(fp8, "speedup_sp"),
     )
 
 
@@ -306,9 +320,11 @@ def step_time(
     matmul, attention = layer_flops_per_token(shape, seq_len)
     results = has_attention_results("cudnn", cp)
     share_attention, share_matmul = REMATS[kept(layout.remat, results)].recompute or (1, 1)
-    eff = cal.efficiency(shape.layer_matmul_params() / tp)
+    # Every layout with a tensor split runs sequence parallel: ours (plan.py) and the
+    # published runs' systems (Megatron, torchtitan, Meta's).
+    eff = cal.efficiency(shape.layer_matmul_params() / tp, tp > 1)
     if fp8:
-        eff *= cal.fp8(shape.layer_matmul_params() / tp)
+        eff *= cal.fp8(shape.layer_matmul_params() / tp, tp > 1)
     peak = gpu.peak_tflops * 1e12
     attention_work = (3 + share_attention) * attention / tp  # Per token, per device.
     layer_work = (3 + share_matmul) * matmul / tp + attention_work
