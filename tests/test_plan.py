@@ -77,6 +77,8 @@ def test_fp8s_gain_follows_the_shard_size_where_timed_by_it():
             cost_model.step_time(shape, layout, 8192, 128, p.gpu, cal, fp8=f) for f in (0, 1)
         )
         assert bf16.compute_s / fp8.compute_s == pytest.approx(gain), tp
+        # Sequence parallel's all-gathers move FP8 bytes: half of each pair's halved.
+        assert fp8.tensor_s == pytest.approx(0.75 * bf16.tensor_s), tp
     measured = cost_model.load_calibration("h100")
     assert len(measured.fp8_points) == 2 and measured.fp8(layer / 8) < measured.fp8(layer / 4)
 

@@ -346,6 +346,8 @@ def step_time(
     passes = 4 + 2 * (share_matmul > 0)
     tensor = passes * layers * m * all_reduce_s(mb_tokens * shape.d_model * 2, tp, links["tensor"])
     tensor *= cal.tensor_exposed(tp) if system.tp_exposed is None else system.tp_exposed
+    if fp8:  # Each pair's all-gather moves e4m3 inputs or e5m2 gradients: half its bytes
+        tensor *= 0.75  # (fp8.gather_quantized; torchao's float8 tensor parallel alike).
 
     # Data parallel over data x context: the grads' replicas, and ZeRO's split of the states
     # (mesh.ZERO_AXES; Megatron's distributed optimizer splits over both too).
