@@ -70,25 +70,36 @@ class Layout:
             tensor=self.tensor,
         )
 
+    def settings(self) -> dict[str, object]:
+        """The config settings (dotted paths) that run this layout."""
+        s = {f"mesh.{a}": n for a, n in self.mesh_shape().items()}
+        s.update({"zero_stage": self.zero, "offload.policy": self.offload})
+        s["model.attention"] = "cudnn"
+        if self.tensor > 1:
+            # Megatron's sequence parallel: the norm regions' activations split over tensor
+            # too, for the same bytes of collectives (all-gathers and reduce-scatters for
+            # all-reduces).
+            s["model.sequence_parallel"] = True
+        s["model.remat"] = self.remat
+        if self.pipeline > 1:
+            s["train.microbatches"] = 1
+            s.update(
+                {
+                    "pipeline.microbatches": self.microbatches,
+                    "pipeline.schedule": self.schedule,
+                    "pipeline.virtual_stages": self.virtual,
+                    "pipeline.remat": self.remat,
+                }
+            )
+        else:
+            s["train.microbatches"] = self.microbatches
+        return s
+
     def overrides(self) -> list[str]:
         """The `--config.` overrides that run this layout."""
-        o = [f"--config.mesh.{a}={n}" for a, n in self.mesh_shape().items()]
-        o += [f"--config.zero_stage={self.zero}", f"--config.offload.policy={self.offload}"]
-        o += ["--config.model.attention=cudnn"]
-        if self.tensor > 1:
-            o += ["--config.model.sequence_parallel=true"]
-        if self.pipeline > 1:
-            o += [
-                "--config.train.microbatches=1",
-                f"--config.pipeline.microbatches={self.microbatches}",
-                f"--config.pipeline.schedule={self.schedule}",
-                f"--config.pipeline.virtual_stages={self.virtual}",
-                f"--config.pipeline.remat={self.remat}",
-            ]
-        else:
-            o += [f"--config.train.microbatches={self.microbatches}"]
-            o += [f"--config.model.remat={self.remat}"]
-        return o
+        return [
+            f"--config.{k}={str(v).lower() if v is True else v}" for k, v in self.settings().items()
+        ]
 
     def name(self) -> str:
         parts = [f"dp{self.data} z{self.zero}", f"tp{self.tensor}"]
@@ -192,22 +203,15 @@ def _work_config(
 ) -> ml_collections.ConfigDict:
     """problem.config set up for `layout`: a new copy, or `config` (such a copy) changed."""
     c = config or ml_collections.ConfigDict(problem.config.to_dict())
-    c.zero_stage = layout.zero
-    c.mesh.update(layout.mesh_shape())
-    c.model.attention = "cudnn"
-    # Megatron's sequence parallel: the norm regions' activations split over tensor too, for
-    # the same bytes of collectives (all-gathers and reduce-scatters for all-reduces).
-    c.model.sequence_parallel = layout.tensor > 1
-    c.model.remat = layout.remat
+    c.model.sequence_parallel = False  # A reused copy: the layout's settings say where it is on.
+    for path, value in layout.settings().items():
+        *parents, name = path.split(".")
+        node = c
+        for parent in parents:
+            node = node[parent]
+        node[name] = value
     c.train.seq_len, c.train.batch_size = problem.seq_len, problem.batch
-    c.train.microbatches = 1 if layout.pipeline > 1 else layout.microbatches
-    c.pipeline.update(
-        microbatches=layout.microbatches,
-        schedule=layout.schedule or "1f1b",
-        virtual_stages=layout.virtual,
-        remat=layout.remat,
-        balance="even",  # auto's search over splits is too slow for thousands of layouts.
-    )
+    c.pipeline.balance = "even"  # auto's search over splits is too slow for thousands of layouts.
     # The trainer's planners take a share (USABLE) of this themselves; the layers' inputs stay
     # on the device, as the memory model here counts them.
     c.offload.device_gib = problem.gpu.budget_gib
