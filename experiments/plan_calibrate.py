@@ -94,21 +94,36 @@ def kernel_seconds(step, params, reps: int) -> dict:
 SPLIT_BY_HEADS = ("matmul", "attention (cuDNN)")
 
 
-def sequence_parallel(rows: list[dict]) -> None:
-    """Adds to each profiled row (`kernel_s_by_kind`) its layer's time and efficiency as
-    sequence parallel runs the shard: `layer_sp_s` = its matmul and attention kernels, which
-    the shard times at their split widths, plus the rest of the same variant's tp 1 layer over
-    tp. The timed shard runs the norm regions on the whole sequence, and under FP8 quantizes
-    whole inputs; in a run each rank holds 1/tp of the sequence there (FP8's inputs are cast
-    on that split before their gather, fp8.gather_quantized). Rows without a profiled tp 1 of
-    their variant are left as they are."""
-    whole = {r["variant"]: r for r in rows if r["tp"] == 1 and "kernel_s_by_kind" in r}
+def sequence_parallel(rows: list[dict], profiled: list[dict] | None = None) -> None:
+    """Adds to each row its layer's time and efficiency as sequence parallel runs the shard:
+    `layer_sp_s` = its matmul and attention kernels, which the shard times at their split
+    widths, plus the rest of the same variant's tp 1 layer over tp. The timed shard runs the
+    norm regions on the whole sequence, and under FP8 quantizes whole inputs; in a run each
+    rank holds 1/tp of the sequence there (FP8's inputs are cast on that split before their
+    gather, fp8.gather_quantized).
+
+    A row's rest is its own profile's (`kernel_s_by_kind`); else, from `profiled` rows of its
+    variant (default `rows`) at tp 1 and a wider tp, rest(tp) = a + b / tp: the norm regions,
+    whole in every timed shard (a), and what splits with the heads (b). Rows of a variant
+    without a profiled tp 1 are left as they are."""
+    profiled = [r for r in (rows if profiled is None else profiled) if "kernel_s_by_kind" in r]
     rest = lambda r: sum(s for k, s in r["kernel_s_by_kind"].items() if k not in SPLIT_BY_HEADS)
-    for r in rows:
-        if "kernel_s_by_kind" not in r or r["variant"] not in whole:
-            continue
-        r["layer_sp_s"] = r["layer_s"] - rest(r) + rest(whole[r["variant"]]) / r["tp"]
-        r["efficiency_sp"] = r["efficiency"] * r["layer_s"] / r["layer_sp_s"]
+    for variant in {r["variant"] for r in profiled if r["tp"] == 1}:
+        one = rest(next(r for r in profiled if r["variant"] == variant and r["tp"] == 1))
+        wider = [r for r in profiled if r["variant"] == variant and r["tp"] > 1]
+        b = None
+        if wider:
+            far = max(wider, key=lambda r: r["tp"])
+            b = (one - rest(far)) / (1 - 1 / far["tp"])
+        for r in (r for r in rows if r["variant"] == variant):
+            if "kernel_s_by_kind" in r:
+                timed, r["rest_from"] = rest(r), "profile"
+            elif b is not None:
+                timed, r["rest_from"] = one - b + b / r["tp"], "a + b / tp"
+            else:
+                continue
+            r["layer_sp_s"] = r["layer_s"] - timed + one / r["tp"]
+            r["efficiency_sp"] = r["efficiency"] * r["layer_s"] / r["layer_sp_s"]
 
 
 def measure(
@@ -194,6 +209,34 @@ def fp8_point(bf16: dict, fp8: dict) -> dict:
     return point
 
 
+def apply_profile(calibration: dict, profile: dict, source: str) -> dict:
+    """`calibration` (this script's JSON) with its points as sequence parallel runs the shard
+    (`sequence_parallel`), their rest from `profile`'s rows (another run of this script with
+    `--profile`, at tp 1 and at least one wider tp; FP8 too for FP8's points), and `profile`'s
+    FP8 points at shard sizes `calibration` lacks."""
+    out = json.loads(json.dumps(calibration))
+    rows = profile["rows"] if "rows" in profile else profile["points"]
+    sequence_parallel(out["points"], rows)
+    bf16 = {p["tp"]: p for p in out["points"]}
+    fp8 = {p["tp"]: p for p in out.get("fp8_points", [])}
+    for p in profile.get("fp8_points", []):
+        fp8.setdefault(p["tp"], dict(p))
+    timed = [  # FP8's layer: the bf16 point's time over its speed-up.
+        dict(tp=tp, variant="fp8", layer_s=bf16[tp]["layer_s"] / p["speedup"], efficiency=1.0)
+        for tp, p in fp8.items()
+        if tp in bf16
+    ]
+    sequence_parallel(timed, rows)
+    for row in timed:
+        if "layer_sp_s" in row and "layer_sp_s" in bf16[row["tp"]]:
+            fp8[row["tp"]]["speedup_sp"] = bf16[row["tp"]]["layer_sp_s"] / row["layer_sp_s"]
+    out["fp8_points"] = [fp8[tp] for tp in sorted(fp8)]
+    out["sequence_parallel_from"] = dict(
+        source=source, **{k: profile.get(k) for k in ("command", "commit", "device", "jax", "date")}
+    )
+    return out
+
+
 def points_from_records(gpu: str, root: pathlib.Path = ROOT) -> dict:
     """The default calibration (cost_model.DEFAULT_POINTS) derived from the one-GPU step
     records on file: llama_1b and fp8_8b_8layers's bf16 run (their FLOPs with what their remat
@@ -264,6 +307,12 @@ def main() -> int:
     parser.add_argument("--out", help="default: experiments/calibration/<gpu>.json")
     parser.add_argument("--from-records", metavar="GPU", help="print the default calibration")
     parser.add_argument(
+        "--profile-from",
+        metavar="JSON",
+        help="instead of timing, correct --out's points for sequence parallel from the kernel "
+        "profile of another run of this script (--profile at tp 1 and a wider tp)",
+    )
+    parser.add_argument(
         "--schedule-tp",
         metavar="SIZES",
         help="instead of timing, compile the layer loop for these tensor sizes (on a CPU with "
@@ -278,6 +327,12 @@ def main() -> int:
     from bench import commit
 
     path = pathlib.Path(args.out or ROOT / "experiments" / "calibration" / f"{args.gpu}.json")
+    if args.profile_from:
+        profile = json.loads(pathlib.Path(args.profile_from).read_text())
+        out = apply_profile(json.loads(path.read_text()), profile, args.profile_from)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     if args.schedule_tp:
         out = json.loads(path.read_text()) if path.is_file() else dict(gpu=args.gpu, points=[])
         out["tensor_exposed_points"] = schedule_points(

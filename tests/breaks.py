@@ -1140,6 +1140,16 @@ BREAKS = [
         ],
     ),
     (
+        "a profile's sequence-parallel correction skips the sizes it did not profile",
+        "experiments/plan_calibrate.py",
+        '                timed, r["rest_from"] = one - b + b / r["tp"], "a + b / tp"',
+        '                timed, r["rest_from"] = r["layer_s"] - one / r["tp"], "a + b / tp"',
+        [
+            "tests/test_plan.py::"
+            "test_a_profile_corrects_the_calibrations_points_for_sequence_parallel"
+        ],
+    ),
+    (
         "the planner's FP8 gain is one figure for every shard size",
         "angel_jax/planning/cost_model.py",
         "        eff *= cal.fp8(shape.layer_matmul_params() / tp, tp > 1)",
