@@ -1134,10 +1134,7 @@ BREAKS = [
         "angel_jax/planning/cost_model.py",
         "    eff = cal.efficiency(shape.layer_matmul_params() / tp, tp > 1)",
         "    eff = cal.efficiency(shape.layer_matmul_params() / tp)",
-        [
-            "tests/test_plan.py::"
-            "test_sequence_parallel_calibration_splits_what_the_shard_runs_whole"
-        ],
+        ["tests/test_plan.py::test_sequence_parallel_calibration_splits_what_the_shard_runs_whole"],
     ),
     (
         "a profile's sequence-parallel correction skips the sizes it did not profile",
