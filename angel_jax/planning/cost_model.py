@@ -198,9 +198,11 @@ def load_calibration(gpu: str, path: pathlib.Path | None = None) -> Calibration:
         (p["layer_params_per_device"], p[key]) for p in rows if key in p
     )
     fp8 = data.get("fp8_points", [])
+    sp = data.get("sequence_parallel_from")
     return Calibration(
         f"measured: {path.relative_to(REPO) if path.is_relative_to(REPO) else path} "
-        f"({data.get('device', '?')}, {data.get('date', '?')})",
+        f"({data.get('device', '?')}, {data.get('date', '?')}"
+        + (f"; sequence parallel from a profile at {sp.get('commit')})" if sp else ")"),
         points(data["points"], "efficiency"),
         data.get("fp8_speedup", default.fp8_speedup),
         points(fp8, "speedup"),
