@@ -30,7 +30,7 @@ import ml_collections
 
 from angel_jax import machine
 from angel_jax.cli import Parser
-from angel_jax.config import ConfigError, load_config
+from angel_jax.config import ConfigError, apply_overrides, load_config
 from angel_jax.planning import cost_model, schedule, tiers
 from angel_jax.planning.activations import AUTO_REMATS, activation_bytes
 from angel_jax.planning.inputs import plan_input
@@ -204,12 +204,7 @@ def _work_config(
     """problem.config set up for `layout`: a new copy, or `config` (such a copy) changed."""
     c = config or ml_collections.ConfigDict(problem.config.to_dict())
     c.model.sequence_parallel = False  # A reused copy: the layout's settings say where it is on.
-    for path, value in layout.settings().items():
-        *parents, name = path.split(".")
-        node = c
-        for parent in parents:
-            node = node[parent]
-        node[name] = value
+    apply_overrides(c, layout.overrides())
     c.train.seq_len, c.train.batch_size = problem.seq_len, problem.batch
     c.pipeline.balance = "even"  # auto's search over splits is too slow for thousands of layouts.
     # The trainer's planners take a share (USABLE) of this themselves; the layers' inputs stay

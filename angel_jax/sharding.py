@@ -243,7 +243,8 @@ def regather(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None
 
 def gather_layouts(x: jax.Array, split: tuple[str | None, ...], axes: tuple[str | None, ...]):
     """(split, whole): the shardings of `x`'s logical `split` and `axes` under the active
-    rules, for a gather from one to the other (`regather`, `fp8.matmul`); None without rules."""
+    rules, for a gather from one to the other (`regather`, `linear.gathered_input`); None
+    without rules."""
     if not _active:
         return None
     if x.ndim != len(split) or x.ndim != len(axes):

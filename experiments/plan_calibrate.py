@@ -123,7 +123,8 @@ def sequence_parallel(rows: list[dict], profiled: list[dict] | None = None) -> N
             else:
                 continue
             r["layer_sp_s"] = r["layer_s"] - timed + one / r["tp"]
-            r["efficiency_sp"] = r["efficiency"] * r["layer_s"] / r["layer_sp_s"]
+            if "efficiency" in r:
+                r["efficiency_sp"] = r["efficiency"] * r["layer_s"] / r["layer_sp_s"]
 
 
 def measure(
@@ -222,7 +223,7 @@ def apply_profile(calibration: dict, profile: dict, source: str) -> dict:
     for p in profile.get("fp8_points", []):
         fp8.setdefault(p["tp"], dict(p))
     timed = [  # FP8's layer: the bf16 point's time over its speed-up.
-        dict(tp=tp, variant="fp8", layer_s=bf16[tp]["layer_s"] / p["speedup"], efficiency=1.0)
+        dict(tp=tp, variant="fp8", layer_s=bf16[tp]["layer_s"] / p["speedup"])
         for tp, p in fp8.items()
         if tp in bf16
     ]

@@ -249,10 +249,8 @@ def activation_collectives(hlo: str, elements: int, within: str = "") -> list[tu
     program that moves an activation of `elements` or more elements (from ops whose name
     holds `within`)."""
     found = []
-    for line in hlo.splitlines():
+    for line in (line for line in hlo.splitlines() if within in line):
         op = re.search(r"= \(*(\w+)\[([\d,]*)\][^=]*? (all-gather|reduce-scatter|all-reduce)", line)
-        if within not in line:
-            continue
         if op and math.prod(int(n) for n in op.group(2).split(",") if n) >= elements:
             found.append((op.group(3), op.group(1)))
     return found
@@ -263,10 +261,10 @@ def activation_collectives(hlo: str, elements: int, within: str = "") -> list[tu
 def test_megatron_sequence_parallel_gathers_bf16_and_reduce_scatters_the_grads(fp8):
     """Tensor parallel with sequence parallel, compiled for 8 GPUs: into attention and the MLP
     the norm's bf16 output is all-gathered (not the float32 before its cast, twice the bytes),
-    under FP8 matmuls its e4m3 copy made on the split (`fp8.gather_quantized`; gathered whole
-    in bf16, each rank cast all of it), and the row-parallel layers' output gradients in
-    e5m2; back, the input gradient's partial sums are reduce-scattered (FP8's scaled dots
-    made XLA all-reduce them whole, then slice). Only the GPU compiler has reduce-scatters."""
+    under FP8 matmuls its e4m3 copy made on the split (`fp8.gather_quantized`: a bf16 gather
+    had each rank cast all of it), and the row-parallel layers' output gradients in e5m2;
+    back, the input gradient's partial sums are reduce-scattered (FP8's scaled dots made XLA
+    all-reduce them whole, then slice). Only the GPU compiler has reduce-scatters."""
     from jax.experimental import topologies
 
     from angel_jax import machine

@@ -121,7 +121,7 @@ class Calibration:
     tensor_exposed_points: tuple[tuple[int, float], ...] = ()
     # `points` and `fp8_points` as sequence parallel runs the shard (with the tp 1 point):
     # the timed shard runs its norm regions, and FP8's casts, on the whole sequence, which
-    # sequence parallel splits tp ways (plan_calibrate.sequence_parallel). None: not profiled.
+    # sequence parallel splits tp ways (plan_calibrate.sequence_parallel). Empty: not profiled.
     sp_points: tuple[tuple[float, float], ...] = ()
     fp8_sp_points: tuple[tuple[float, float], ...] = ()
 
@@ -131,8 +131,7 @@ class Calibration:
 
     def fp8(self, params_per_device: float, sequence_parallel: bool = False) -> float:
         """FP8 matmuls' speed-up of a layer with this many matmul params on a device."""
-        points = self.fp8_sp_points if sequence_parallel and self.fp8_sp_points else ()
-        points = points or self.fp8_points
+        points = self.fp8_sp_points if sequence_parallel and self.fp8_sp_points else self.fp8_points
         if not points:
             return self.fp8_speedup
         return _interpolated(points, params_per_device)
